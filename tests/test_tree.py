@@ -226,3 +226,20 @@ def test_pretty_print_shows_spans_states_and_locks():
     text = tree.pretty_print()
     assert "[0:3] (1, 2, 3) tombstone lock=0/0" in text
     assert "[3:5] (4, 5) state=" in text
+
+
+def test_shared_budget_eviction_frees_the_older_of_leaf_and_state():
+    tree, pools = make_tree()
+    cache(tree, pools, [1, 2, 3])
+    cache(tree, pools, [1, 2, 3, 4, 5])
+    cache(tree, pools, [7, 8])
+    tree.match([1, 2, 3], record=False)  # the state at [1,2,3] is now newer than leaf [7,8]
+    tree.match([1, 2, 3, 4, 5], record=False)
+    result = tree.evict_memory(1, kv_bytes_per_token=10, state_bytes=100)
+    assert (result.tokens, result.states) == (2, 1)  # leaf [7,8], least recently used
+    result = tree.evict_memory(100, kv_bytes_per_token=10, state_bytes=100)
+    assert (result.tokens, result.states) == (0, 1)  # the state at [1,2,3]: older than the leaf below it
+    assert tree.match([1, 2, 3], record=False).state_node is tree.root
+    result = tree.evict_memory(10_000, kv_bytes_per_token=10, state_bytes=100)
+    assert tree.num_nodes == 0 and tree.total_states == 0
+    tree.check_invariants()

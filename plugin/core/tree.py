@@ -160,6 +160,10 @@ class EvictionPolicy(Protocol):
     def pick_state(self) -> Node | None:
         """A node with a state and no state lock whose state to drop, or None."""
 
+    def pick_victim(self) -> Node | None:
+        """For one memory budget shared by KV and states: an unlocked leaf (freed whole) or a node whose
+        state alone is dropped (any node with an unlocked state that is not an unlocked leaf), or None."""
+
 
 class LRUEviction:
     """Upstream's order: the head of the full LRU list (always an unlocked leaf) and of the state LRU list."""
@@ -180,6 +184,13 @@ class LRUEviction:
 
     def pick_state(self) -> Node | None:
         return self._tree.state_lru.head()
+
+    def pick_victim(self) -> Node | None:
+        leaf = self._tree.full_lru.head()
+        stateful = self._tree.state_lru.head()
+        if leaf is None or (stateful is not None and stateful.state_access < leaf.last_access):
+            return stateful
+        return leaf
 
 
 class HybridRadixTree:
@@ -381,6 +392,25 @@ class HybridRadixTree:
                 self._remove_if_dead_tombstone(victim, result)
             else:
                 self._delete_leaf(victim, result)
+        return result
+
+    def evict_memory(self, num_bytes: int, kv_bytes_per_token: int, state_bytes: int) -> EvictResult:
+        """Free at least ``num_bytes`` of one budget shared by KV and states, or as much as can be freed.
+
+        The policy's victim is deleted whole when it is an unlocked leaf; otherwise only its state is dropped.
+        """
+        result = EvictResult()
+        while result.tokens * kv_bytes_per_token + result.states * state_bytes < num_bytes:
+            victim = self.eviction.pick_victim()
+            if victim is None:
+                break
+            if victim.full_lock == 0 and not victim.children:
+                self._delete_leaf(victim, result)
+            elif victim.state is not None and victim.state_lock == 0:
+                self._drop_state(victim, result)
+                self._remove_if_dead_tombstone(victim, result)
+            else:
+                raise TreeError(f"eviction policy picked {victim!r}, which holds nothing it may free")
         return result
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
 from hybrid_prefix_cache.kernels.plans import plan_conv_extend, plan_decode_tracking, plan_slot_copy, plan_ssm_extend
 from hybrid_prefix_cache.kernels.track_state import (
     TRITON_AVAILABLE,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from hybrid_prefix_cache.kernels.validation import (
     MAX_GRID_YZ,
     SlotIndices,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from hybrid_prefix_cache.kernels.plans import (
     ConvWindowPlan,
     RowCopyPlan,

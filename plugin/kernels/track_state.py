@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from hybrid_prefix_cache.kernels.plans import (
     ConvWindowPlan,
     RowCopyPlan,
