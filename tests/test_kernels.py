@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-_INTERPRETED = track_state.TRITON_AVAILABLE and track_state._is_interpreted(track_state._copy_slot_rows_kernel)
+_INTERPRETED = track_state.KERNELS_INTERPRETED
 _CUDA = torch.cuda.is_available()
 if not track_state.TRITON_AVAILABLE:
     _SKIP_REASON = "triton is not installed; the Triton kernels cannot run (references are still tested)"
@@ -118,15 +118,14 @@ def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t) for t in tensors]
 
 
-def slot_pairs(draw: st.DrawFn, batch: int, slots: int, *, allow_self: bool = True) -> tuple[list[int], list[int]]:
-    """Distinct destinations, no destination read by another pair (what the kernels require)."""
+def slot_pairs(draw: st.DrawFn, batch: int, slots: int) -> tuple[list[int], list[int]]:
+    """Distinct destinations, none read by another pair (what the kernels require); some self-copies."""
     perm = draw(st.permutations(range(slots)))
     src = list(perm[:batch])
     dst = list(perm[batch : 2 * batch])
-    if allow_self:
-        for i in range(batch):
-            if draw(st.integers(0, 7)) == 0:
-                dst[i] = src[i]
+    for i in range(batch):
+        if draw(st.integers(0, 7)) == 0:
+            dst[i] = src[i]
     return src, dst
 
 
@@ -197,7 +196,7 @@ def test_decode_tracking_matches_reference(case: dict) -> None:
 
 
 @requires_triton
-def test_decode_tracking_envelope_layout_and_qwen_like_rows() -> None:
+def test_decode_tracking_on_an_envelope_buffer() -> None:
     gen = torch.Generator().manual_seed(7)
     conv, ssm = envelope_pool(2, 6, (48, 3), (4, 8, 8), gen)
     expected = clone_all([conv, ssm])
@@ -209,30 +208,26 @@ def test_decode_tracking_envelope_layout_and_qwen_like_rows() -> None:
     assert torch.equal(bits(ssm[:, 3]), bits(ssm[:, 0])) and not torch.equal(bits(ssm[:, 4]), bits(ssm[:, 1]))
 
 
+def _signature_pool(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [random_bits((3, 9, 10, 3), torch.bfloat16, gen), random_bits((3, 9, 2, 4, 4), torch.float32, gen)]
+
+
 @requires_triton
 @pytest.mark.parametrize("padded", [False, True])
-def test_upstream_signatures_single_layer_and_all_layers(padded: bool) -> None:
-    gen = torch.Generator().manual_seed(3)
-    layers, slots = 3, 9
-    conv = random_bits((layers, slots, 10, 3), torch.bfloat16, gen)
-    ssm = random_bits((layers, slots, 2, 4, 4), torch.float32, gen)
+def test_upstream_signatures_match_reference_and_each_other(padded: bool) -> None:
+    """SGLang's argument order, a batch_size shorter than the (padded) vectors, freed (-1) slots skipped."""
     cache = torch.tensor([0, 1, -1, 2] + ([-1, -1] if padded else []), dtype=torch.int32)
     mask = torch.tensor([True, True, True, False] + ([True, True] if padded else []))
     track = torch.tensor([5, 6, 7, 8] + ([0, 0] if padded else []), dtype=torch.int64)
-    expected = clone_all([conv, ssm])
-    kernels.track_mamba_states_all_layers(conv, ssm, cache, mask, track, 4, check_freed_slots=True)
-    reference.track_states_decode_reference(expected[0], expected[1], cache, mask, track, 4, skip_negative_slots=True)
-    assert_same_bits(conv, expected[0])
-    assert_same_bits(ssm, expected[1])
-    per_layer = clone_all([conv, ssm])
-    fresh = [random_bits(t.shape, t.dtype, gen) for t in (conv, ssm)]
-    for t, new in zip((conv, ssm, *per_layer), (*fresh, *fresh), strict=True):
-        t.copy_(new)
-    for layer in range(layers):
-        kernels.track_mamba_states_if_needed(conv[layer], ssm[layer], cache, mask, track, 4, True)
-    kernels.track_mamba_states_all_layers(per_layer[0], per_layer[1], cache, mask, track, 4, True)
-    assert_same_bits(conv, per_layer[0])
-    assert_same_bits(ssm, per_layer[1])
+    all_layers, expected, per_layer = _signature_pool(3), _signature_pool(3), _signature_pool(3)
+    kernels.track_mamba_states_all_layers(*all_layers, cache, mask, track, 4, check_freed_slots=True)
+    reference.track_states_decode_reference(*expected, cache, mask, track, 4, skip_negative_slots=True)
+    for layer in range(3):
+        kernels.track_mamba_states_if_needed(per_layer[0][layer], per_layer[1][layer], cache, mask, track, 4, True)
+    for ours, loop, want in zip(all_layers, per_layer, expected, strict=True):
+        assert_same_bits(ours, want)
+        assert_same_bits(loop, want)
 
 
 # ------------------------------------------------------------------------------------- slot copies (Triton)
@@ -244,7 +239,7 @@ def copy_cases(draw: st.DrawFn) -> dict:
     batch = draw(st.integers(0, 3))
     slots = draw(st.integers(max(2 * batch, 1), 2 * batch + 2))
     separate = draw(st.booleans())
-    src, dst = slot_pairs(draw, batch, slots, allow_self=True)
+    src, dst = slot_pairs(draw, batch, slots)
     if separate:
         dst = list(draw(st.permutations(range(slots)))[:batch])
     return {
@@ -754,3 +749,37 @@ def test_track_index_inputs_are_checked() -> None:
         mamba_track_aligned_lens(torch.tensor([4]), torch.tensor([0]), 0)
     with pytest.raises(ValueError, match="one entry per request"):
         init_track_ssm_indices(*(torch.tensor([0, 1]),) * 5, torch.tensor([3]), 4)
+
+
+# ------------------------------------------------------------------------------------ benchmark plumbing
+
+
+@requires_triton
+def test_benchmark_checks_results_against_the_reference_before_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU benchmark's comparison path, on a CPU with a tiny model and a stand-in timer."""
+    from hybrid_prefix_cache.kernels import bench
+
+    tiny = bench.StateShapes("tiny", 3, (6, 3), (2, 4, 4), "test shapes")
+
+    def upstream_all(conv, ssm, cache, mask, track, batch_size, check_freed_slots=False) -> None:
+        reference.track_states_decode_reference(conv, ssm, cache, mask, track, batch_size)
+
+    def upstream_per_layer(conv, ssm, cache, mask, track, batch_size, check_freed_slots=False) -> None:
+        reference.track_states_decode_reference(conv[None], ssm[None], cache, mask, track, batch_size)
+
+    def timer(fn: Callable[[], None], moved: int, rep_ms: int) -> bench.Timing:
+        fn()
+        return bench.Timing(2.0, moved)
+
+    args = (tiny, [1, 3], torch.bfloat16, torch.float32, 64, 1, 2**30)
+    bench.bench_model(*args, (upstream_all, upstream_per_layer), device="cpu", timer=timer)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "bs=" in line]
+    assert len(lines) == 6 and all("speedup  1.00x" in line for line in lines), lines
+
+    def broken(*call_args: object, **kwargs: object) -> None:
+        return None
+
+    with pytest.raises(SystemExit, match="results differ from the reference"):
+        bench.bench_model(*args, (broken, broken), device="cpu", timer=timer)
+    bench.bench_model(*args[:-1], 1, (None, None), device="cpu", timer=timer)
+    assert "skipped, two pools of 3 slots" in capsys.readouterr().out

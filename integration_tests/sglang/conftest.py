@@ -6,15 +6,15 @@ imported (e.g. in .venvs/core): create the environment with ``scripts/setup_env.
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Iterator
 
 import pytest
 
 try:
-    import sglang.srt.managers.schedule_batch  # noqa: F401
-    import sglang.srt.mem_cache.mamba_radix_cache  # noqa: F401
-
+    for module in ("sglang.srt.mem_cache.mamba_radix_cache", "sglang.srt.managers.schedule_batch"):
+        importlib.import_module(module)
     SGLANG_MISSING_REASON = None
 except Exception as error:
     SGLANG_MISSING_REASON = (

@@ -71,9 +71,12 @@ def test_default_ratio_is_what_sglang_resolves(sglang_context):
     assert sglang_replay.upstream_mamba_full_memory_ratio() == 0.9
     assert get_schedule().mamba_full_memory_ratio == 0.9
     # 10 GiB at the paper's sizes: states get 0.9 / 1.9 of the budget, 191 slots of 26 MB.
-    assert pool_sizes(
-        10 * GIB, PAPER_7B_KV_BYTES_PER_TOKEN, PAPER_7B_STATE_BYTES, mamba_full_memory_ratio=0.9, context_len=4096
-    ).max_mamba_cache_size == 191
+    assert (
+        pool_sizes(
+            10 * GIB, PAPER_7B_KV_BYTES_PER_TOKEN, PAPER_7B_STATE_BYTES, mamba_full_memory_ratio=0.9, context_len=4096
+        ).max_mamba_cache_size
+        == 191
+    )
 
 
 def test_budget_without_room_for_one_request_is_refused():

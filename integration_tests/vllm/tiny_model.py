@@ -116,9 +116,7 @@ def build_tiny_qwen3_next(directory: Path) -> Path:
     config = Qwen3NextConfig(**_model_config(special_ids))
     model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    (directory / "hpc_tiny_model.json").write_text(
-        json.dumps({"version": TINY_MODEL_VERSION}) + "\n", encoding="utf-8"
-    )
+    (directory / "hpc_tiny_model.json").write_text(json.dumps({"version": TINY_MODEL_VERSION}) + "\n", encoding="utf-8")
     return directory
 
 

@@ -22,6 +22,7 @@ from hybrid_prefix_cache.kernels.track_indices import (
     mamba_track_aligned_lens,
 )
 from hybrid_prefix_cache.kernels.track_state import (
+    KERNELS_INTERPRETED,
     ROW_BLOCK_BYTES,
     TRITON_AVAILABLE,
     TritonUnavailableError,
@@ -34,6 +35,7 @@ from hybrid_prefix_cache.kernels.track_state import (
 )
 
 __all__ = [
+    "KERNELS_INTERPRETED",
     "ROW_BLOCK_BYTES",
     "TRITON_AVAILABLE",
     "TrackSsmIndices",

@@ -40,6 +40,16 @@ class StateShapes:
     ssm_row: tuple[int, int, int]
     source: str
 
+    def sharded(self, tp: int) -> StateShapes:
+        """Shapes on one of ``tp`` tensor-parallel ranks (SGLang shards the conv dim and the SSM heads)."""
+        if tp < 1 or self.conv_row[0] % tp or self.ssm_row[0] % tp:
+            raise SystemExit(f"{self.name}: tensor-parallel size {tp} does not divide conv dim and SSM heads")
+        if tp == 1:
+            return self
+        conv = (self.conv_row[0] // tp, self.conv_row[1])
+        ssm = (self.ssm_row[0] // tp, self.ssm_row[1], self.ssm_row[2])
+        return StateShapes(f"{self.name} (tp={tp})", self.layers, conv, ssm, self.source)
+
     def row_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
         conv = self.conv_row[0] * self.conv_row[1] * conv_dtype.itemsize
         ssm = self.ssm_row[0] * self.ssm_row[1] * self.ssm_row[2] * ssm_dtype.itemsize
@@ -54,8 +64,8 @@ MODELS = {
         36,
         (8192, 3),
         (32, 128, 128),
-        "Qwen3-Next-80B-A3B config: 48 layers, full_attention_interval 4, linear_num_key_heads 16, "
-        "linear_num_value_heads 32, key/value head dim 128, conv kernel 4",
+        "Qwen3-Next-80B-A3B (transformers 5.12.1 Qwen3NextConfig defaults): 48 layers, full_attention_interval 4, "
+        "linear_num_key_heads 16, linear_num_value_heads 32, key/value head dim 128, conv kernel 4",
     ),
     # hybrid_override_pattern has 24 'M' (Mamba2) layers of 52. conv dim = 128 heads x 64 + 2 x 8 groups x 128 =
     # 10240; SSM state = 128 heads x 64 (head dim) x 128 (state size).
@@ -113,6 +123,62 @@ def _fill(tensors: list[torch.Tensor], seed: int) -> None:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, device=t.device))
 
 
+Upstream = tuple[Callable[..., None] | None, Callable[..., None] | None]
+
+
+def _operations(
+    model: StateShapes,
+    batch: int,
+    conv_dtype: torch.dtype,
+    ssm_dtype: torch.dtype,
+    row_block_bytes: int,
+    upstream: Upstream,
+    device: str,
+) -> tuple[list[tuple[str, Callable[[], None], Callable[[], None] | None]], list[torch.Tensor], list[torch.Tensor]]:
+    """(label, ours, reference) per operation, plus our pool and the reference's identical copy of it."""
+    upstream_all, upstream_per_layer = upstream
+    slots = 2 * batch + 1
+    conv = torch.empty((model.layers, slots, *model.conv_row), dtype=conv_dtype, device=device)
+    ssm = torch.empty((model.layers, slots, *model.ssm_row), dtype=ssm_dtype, device=device)
+    _fill([conv, ssm], seed=batch)
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    # Working slots 0..batch-1 are tracked into slots batch..2*batch-1, every request masked in.
+    cache = torch.arange(batch, device=device, dtype=torch.int32)
+    track = torch.arange(batch, 2 * batch, device=device, dtype=torch.int64)
+    mask = torch.ones(batch, dtype=torch.bool, device=device)
+
+    def ours_all() -> None:
+        track_states_decode(conv, ssm, cache, mask, track, check_indices=False, row_block_bytes=row_block_bytes)
+
+    def ours_per_layer() -> None:
+        for layer in range(model.layers):
+            track_mamba_states_if_needed(conv[layer], ssm[layer], cache, mask, track, batch, check_indices=False)
+
+    def ours_copy() -> None:
+        copy_state_slots(conv, ssm, cache, track, check_indices=False, row_block_bytes=row_block_bytes)
+
+    def torch_copy() -> None:
+        conv_ref[:, track] = conv_ref[:, cache.long()]
+        ssm_ref[:, track] = ssm_ref[:, cache.long()]
+
+    up_all = up_per_layer = None
+    if upstream_all is not None and upstream_per_layer is not None:
+
+        def up_all() -> None:
+            upstream_all(conv_ref, ssm_ref, cache, mask, track, batch)
+
+        def up_per_layer() -> None:
+            for layer in range(model.layers):
+                upstream_per_layer(conv_ref[layer], ssm_ref[layer], cache, mask, track, batch)
+
+    operations = [
+        ("decode-all-layers", ours_all, up_all),
+        ("decode-per-layer", ours_per_layer, up_per_layer),
+        ("slot-copy (vs torch indexing)", ours_copy, torch_copy),
+    ]
+    return operations, [conv, ssm], [conv_ref, ssm_ref]
+
+
 def bench_model(
     model: StateShapes,
     batch_sizes: list[int],
@@ -121,9 +187,13 @@ def bench_model(
     row_block_bytes: int,
     rep_ms: int,
     budget_bytes: int,
-    upstream: tuple[Callable[..., None] | None, Callable[..., None] | None],
+    upstream: Upstream,
+    *,
+    device: str = "cuda",
+    timer: Callable[[Callable[[], None], int, int], Timing] | None = None,
 ) -> None:
-    upstream_all, upstream_per_layer = upstream
+    """Print one line per (batch size, operation); ``device``/``timer`` exist so tests can drive it on a CPU."""
+    timer = timer or _time
     row_bytes = model.row_bytes(conv_dtype, ssm_dtype)
     print(
         f"\n{model.name}: {model.layers} state layers, conv {model.conv_row} {conv_dtype}, ssm {model.ssm_row} "
@@ -135,61 +205,30 @@ def bench_model(
         if pool_bytes > budget_bytes:
             print(f"  bs={batch:4d}: skipped, two pools of {slots} slots need {pool_bytes / 2**30:.1f} GiB")
             continue
-        conv = torch.empty((model.layers, slots, *model.conv_row), dtype=conv_dtype, device="cuda")
-        ssm = torch.empty((model.layers, slots, *model.ssm_row), dtype=ssm_dtype, device="cuda")
-        conv_up, ssm_up = torch.empty_like(conv), torch.empty_like(ssm)
-        _fill([conv, ssm], seed=batch)
-        conv_up.copy_(conv)
-        ssm_up.copy_(ssm)
-        cache = torch.arange(batch, device="cuda", dtype=torch.int32)
-        track = torch.arange(batch, 2 * batch, device="cuda", dtype=torch.int64)
-        mask = torch.ones(batch, dtype=torch.bool, device="cuda")
+        operations, ours_pool, reference_pool = _operations(
+            model, batch, conv_dtype, ssm_dtype, row_block_bytes, upstream, device
+        )
         moved = 2 * batch * model.layers * row_bytes
-
-        def ours_all(conv: torch.Tensor = conv, ssm: torch.Tensor = ssm) -> None:
-            track_states_decode(conv, ssm, cache, mask, track, check_indices=False, row_block_bytes=row_block_bytes)
-
-        def ours_per_layer(conv: torch.Tensor = conv, ssm: torch.Tensor = ssm) -> None:
-            for layer in range(model.layers):
-                track_mamba_states_if_needed(conv[layer], ssm[layer], cache, mask, track, batch, check_indices=False)
-
-        def ours_copy(conv: torch.Tensor = conv, ssm: torch.Tensor = ssm) -> None:
-            copy_state_slots(conv, ssm, cache, track, check_indices=False, row_block_bytes=row_block_bytes)
-
-        def torch_copy(conv: torch.Tensor = conv_up, ssm: torch.Tensor = ssm_up) -> None:
-            conv[:, track] = conv[:, cache.long()]
-            ssm[:, track] = ssm[:, cache.long()]
-
-        rows = [("decode-all-layers", ours_all, None), ("decode-per-layer", ours_per_layer, None)]
-        if upstream_all is not None and upstream_per_layer is not None:
-
-            def up_all() -> None:
-                upstream_all(conv_up, ssm_up, cache, mask, track, batch)
-
-            def up_per_layer() -> None:
-                for layer in range(model.layers):
-                    upstream_per_layer(conv_up[layer], ssm_up[layer], cache, mask, track, batch)
-
-            rows = [("decode-all-layers", ours_all, up_all), ("decode-per-layer", ours_per_layer, up_per_layer)]
-        rows.append(("slot-copy (vs torch indexing)", ours_copy, torch_copy))
-        for label, ours, theirs in rows:
+        for label, ours, theirs in operations:
             ours()
             if theirs is not None:
                 theirs()
-                torch.cuda.synchronize()
-                if not _same([conv, ssm], [conv_up, ssm_up]):
-                    raise SystemExit(f"{model.name} bs={batch} {label}: results differ from upstream; not timing")
-            mine = _time(ours, moved, rep_ms)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if not _same(ours_pool, reference_pool):
+                    raise SystemExit(f"{model.name} bs={batch} {label}: results differ from the reference; not timing")
+            mine = timer(ours, moved, rep_ms)
             line = f"  bs={batch:4d} {label:30s} ours {mine.microseconds:9.1f} us {mine.gbps:7.1f} GB/s"
             if theirs is not None:
-                other = _time(theirs, moved, rep_ms)
+                other = timer(theirs, moved, rep_ms)
                 line += (
                     f" | reference {other.microseconds:9.1f} us {other.gbps:7.1f} GB/s"
                     f" | speedup {other.microseconds / mine.microseconds:5.2f}x"
                 )
             print(line, flush=True)
-        del conv, ssm, conv_up, ssm_up
-        torch.cuda.empty_cache()
+        del operations, ours_pool, reference_pool
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--conv-dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--ssm-dtype", choices=sorted(DTYPES), default="float32", help="SGLang's default is float32")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: benchmark one rank's shard")
     parser.add_argument("--row-block-bytes", type=int, default=ROW_BLOCK_BYTES)
     parser.add_argument("--rep-ms", type=int, default=100, help="measuring time per point (ms)")
     parser.add_argument(
@@ -220,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}, {free / 2**30:.1f} GiB free")
     for name in args.models:
         bench_model(
-            MODELS[name],
+            MODELS[name].sharded(args.tp),
             args.batch_sizes,
             DTYPES[args.conv_dtype],
             DTYPES[args.ssm_dtype],

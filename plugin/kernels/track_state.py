@@ -221,6 +221,11 @@ if TRITON_AVAILABLE:
         )
 
 
+KERNELS_INTERPRETED = TRITON_AVAILABLE and _is_interpreted(_copy_slot_rows_kernel)
+"""Whether the kernels run through Triton's interpreter (TRITON_INTERPRET=1 was set when this module was imported);
+then they take CPU tensors."""
+
+
 def _raw_bits(tensor: torch.Tensor) -> torch.Tensor:
     """Same memory, same strides, as integers of the element width."""
     return tensor.view(RAW_BITS_DTYPES[tensor.element_size()])
@@ -433,9 +438,10 @@ def copy_state_slots(
 ) -> None:
     """Copy whole states slot to slot across all layers in one launch (copy-on-write, fork).
 
-    Same effect as SGLang's ``MambaPool.copy_from(src, dst)``: every conv tensor and ``temporal_states`` get
+    The state part of SGLang's ``MambaPool.copy_from(src, dst)`` (which also resets ReplaySSM cursors and copies
+    registered side states): every conv tensor and ``temporal_states`` get
     ``pool[:, dst_indices[i]] = pool[:, src_indices[i]]``. Give ``dst_conv_states``/``dst_temporal_states`` to
-    copy into another pool of the same layout and dtypes.
+    copy into another pool of the same row shapes and dtypes.
     """
     _require_triton()
     plan = plan_slot_copy(

@@ -38,9 +38,8 @@ def as_tensor_list(value: torch.Tensor | Sequence[torch.Tensor], name: str) -> l
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Named state tensors that share layers and slots: each tensor is [layers, slots, *row]."""
+    """What a set of state tensors shares: each tensor is [layers, slots, *row]."""
 
-    tensors: tuple[tuple[str, torch.Tensor], ...]
     num_layers: int
     num_slots: int
     device: torch.device
@@ -68,7 +67,7 @@ def check_pool(named: Sequence[tuple[str, torch.Tensor]]) -> PoolLayout:
                 f"{name} has {tensor.shape[1]} slots but {first_name} has {first.shape[1]} (shapes "
                 f"{tuple(tensor.shape)} and {tuple(first.shape)})"
             )
-    return PoolLayout(tuple(named), first.shape[0], first.shape[1], first.device)
+    return PoolLayout(first.shape[0], first.shape[1], first.device)
 
 
 def check_same_rows(

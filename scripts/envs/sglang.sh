@@ -1,10 +1,12 @@
 # SGLang environment: integration tests against the real SGLang 0.5.20 classes and the `--engine sglang` baseline
 # of the benchmark, on a CPU-only machine. Run through scripts/setup_env.sh sglang (which provides VENV, ROOT, PIP).
 #
-# 0.5.20 is the last release that ships mem_cache/mamba_radix_cache.py. Its wheel is installed with --no-deps because
-# its dependency list pulls CUDA-only kernel packages; only what `import sglang.srt.managers.scheduler` needs is added,
-# at the versions sglang 0.5.20 pins. torch==2.13.0 is repeated on every pip call so no dependency can swap the local
-# CPU wheel for a CUDA build. Triton kernels run on CPU tensors with TRITON_INTERPRET=1; the imports need no env var.
+# 0.5.20 is the last release that ships mem_cache/mamba_radix_cache.py. Its wheel is installed with --no-deps
+# because its dependency list pulls CUDA-only kernel packages; only what the imports need is added, at the versions
+# sglang 0.5.20 pins: sglang.srt.managers.scheduler and mem_cache, plus sglang.srt.entrypoints.engine/http_server
+# (uvloop, jsonschema, python-multipart, soundfile) so plugin loading can be exercised through them. torch==2.13.0
+# is repeated on every pip call so no dependency can swap the local CPU wheel for a CUDA build. Triton kernels run
+# on CPU tensors with TRITON_INTERPRET=1; the imports need no environment variable.
 set -euo pipefail
 $PIP install -q "torch==2.13.0"
 $PIP install -q --no-deps "sglang==0.5.20"
@@ -13,12 +15,17 @@ $PIP install -q "torch==2.13.0" \
   "compressed-tensors==0.18.0" "openai==2.6.1" \
   numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pyzmq tqdm IPython pydantic aiohttp \
   dill gguf partial_json_parser sentencepiece triton setproctitle einops uvicorn fastapi \
+  uvloop jsonschema python-multipart "soundfile==0.13.1" \
   "pytest>=8" "hypothesis>=6.100" "ruff>=0.6"
 
 # sglang.srt.utils.common imports torchvision.io at load time, and transformers then imports torchvision.transforms
 # because it finds the package. PyPI's torchvision wheels are CUDA builds that fail to load beside CPU torch, so a
 # stand-in package goes into site-packages instead: it defines the names imported at module level and raises a clear
-# error if any image function is actually called. It has no dist-info, so pip still reports torchvision as missing.
+# error if any image function is actually called. It has no dist-info, so pip still reports torchvision as missing;
+# a real torchvision installed by hand is removed first so the two never mix.
+if "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("torchvision")' 2>/dev/null; then
+  $PIP uninstall -q -y torchvision
+fi
 site_packages=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 standin="$site_packages/torchvision"
 rm -rf "$standin"

@@ -207,9 +207,7 @@ def check_sglang_version() -> str:
     try:
         version = metadata.version("sglang")
     except metadata.PackageNotFoundError:
-        raise RuntimeError(
-            "sglang is not installed: run this in .venvs/sglang (scripts/setup_env.sh sglang)"
-        ) from None
+        raise RuntimeError("sglang is not installed: run this in .venvs/sglang (scripts/setup_env.sh sglang)") from None
     if version != SUPPORTED_SGLANG_VERSION:
         raise RuntimeError(
             f"sglang {version} is installed; this replay drives sglang {SUPPORTED_SGLANG_VERSION} internals "
@@ -255,9 +253,7 @@ class UpstreamCache:
         if sum(kv) != self.sizes.max_total_num_tokens or kv[2]:
             problems.append(f"KV (available, evictable, protected) = {kv} of {self.sizes.max_total_num_tokens}")
         if sum(states) != self.sizes.max_mamba_cache_size or states[2]:
-            problems.append(
-                f"states (available, evictable, protected) = {states} of {self.sizes.max_mamba_cache_size}"
-            )
+            problems.append(f"states (available, evictable, protected) = {states} of {self.sizes.max_mamba_cache_size}")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append(
                 f"request rows free {self.req_to_token_pool.available_size()} of {self.req_to_token_pool.size}"
@@ -272,9 +268,7 @@ class UpstreamCache:
 
         self.check_idle("before releasing the tree")
         tree = self.tree
-        tree.evict(
-            EvictParams(num_tokens=tree.full_evictable_size(), mamba_num=tree.mamba_evictable_size())
-        )
+        tree.evict(EvictParams(num_tokens=tree.full_evictable_size(), mamba_num=tree.mamba_evictable_size()))
         cached_tokens, cached_states = tree.total_size()
         if cached_tokens or cached_states:
             raise RuntimeError(
@@ -282,9 +276,7 @@ class UpstreamCache:
             )
         tree.reset()
         missing_tokens = self.sizes.max_total_num_tokens - self.kv_allocator.available_size()
-        missing_states = (
-            self.sizes.max_mamba_cache_size - self.req_to_token_pool.mamba_allocator.available_size()
-        )
+        missing_states = self.sizes.max_mamba_cache_size - self.req_to_token_pool.mamba_allocator.available_size()
         return missing_tokens, missing_states
 
 
@@ -607,7 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         parser.error(str(error))
     runs = []
-    print(f"{'cache GiB':>9} {'states':>6} {'KV tokens':>9} {'token hit':>9} {'req hit':>7} {'st evict':>8} {'us/req':>7}")
+    header = ("cache GiB", "states", "KV tokens", "token hit", "req hit", "st evict", "us/req")
+    print(" ".join(f"{name:>9}" for name in header))
     for cache_bytes in args.cache_gb:
         try:
             result = replay(
@@ -626,9 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             del result["per_request"]
         runs.append(result)
         print(
-            f"{cache_bytes / GIB:9.2f} {result['max_mamba_cache_size']:6d} {result['max_total_num_tokens']:9d} "
-            f"{result['token_hit_rate']:9.4f} {result['request_hit_rate']:7.3f} {result['states_evicted']:8d} "
-            f"{result['cache_op_us_per_request']:7.0f}"
+            f"{cache_bytes / GIB:9.2f} {result['max_mamba_cache_size']:9d} {result['max_total_num_tokens']:9d} "
+            f"{result['token_hit_rate']:9.4f} {result['request_hit_rate']:9.3f} {result['states_evicted']:9d} "
+            f"{result['cache_op_us_per_request']:9.0f}"
         )
     if args.json:
         report = {

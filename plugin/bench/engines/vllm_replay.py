@@ -79,6 +79,7 @@ class EngineOptions:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     mamba_ssm_cache_dtype: str | None = None
+    prefix_match_unit: int | None = None
     additional_config: dict[str, Any] | None = None
 
 
@@ -117,8 +118,9 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _check_inputs(requests: Sequence[TraceRequest], hf_config: dict[str, Any], cache_bytes: int,
-                  max_concurrency: int) -> None:
+def _check_inputs(
+    requests: Sequence[TraceRequest], hf_config: dict[str, Any], cache_bytes: int, max_concurrency: int
+) -> None:
     if not requests:
         raise ValueError("the trace has no requests")
     if not isinstance(hf_config, dict) or not hf_config.get("architectures"):
@@ -156,6 +158,8 @@ def _engine_config(model_dir: Path, max_model_len: int, cache_bytes: int, option
         engine_args["max_num_batched_tokens"] = options.max_num_batched_tokens
     if options.mamba_ssm_cache_dtype is not None:
         engine_args["mamba_ssm_cache_dtype"] = options.mamba_ssm_cache_dtype
+    if options.prefix_match_unit is not None:
+        engine_args["prefix_match_unit"] = options.prefix_match_unit
     if options.additional_config is not None:
         engine_args["additional_config"] = options.additional_config
     return EngineArgs(**engine_args).create_engine_config()
@@ -209,6 +213,9 @@ class _KVCacheSetup:
 
 def _kv_cache_setup(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], cache_bytes: int) -> _KVCacheSetup:
     """What ``EngineCore._initialize_kv_caches`` (v1/engine/core.py:261-376) does, minus the workers."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_kv_cache_configs,
@@ -216,14 +223,12 @@ def _kv_cache_setup(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], cach
         resolve_kv_cache_block_sizes,
         update_kv_cache_capacity,
     )
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     register_all_kvcache_specs(vllm_config)
     with set_current_vllm_config(vllm_config):
-        worker_layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))]
+        backends = get_current_attn_backends(vllm_config)
+        worker_layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
         resolve_kv_cache_layout(vllm_config, [worker_layouts], specs.values())
     worker_configs = get_kv_cache_configs(vllm_config, [specs], [cache_bytes])
     kv_cache_config = generate_scheduler_kv_cache_config(worker_configs)
@@ -335,8 +340,9 @@ def _max_model_len(requests: Sequence[TraceRequest]) -> int:
     return max(len(r.input_tokens) + max(1, len(r.output_tokens)) for r in requests)
 
 
-def _drive(scheduler: Scheduler, hash_block_size: int, hash_algo: str, requests: Sequence[TraceRequest],
-           max_concurrency: int) -> _Tally:
+def _drive(
+    scheduler: Scheduler, hash_block_size: int, hash_algo: str, requests: Sequence[TraceRequest], max_concurrency: int
+) -> _Tally:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -522,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, help="vLLM --block-size (default: the platform's)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="prefill chunk budget (default: vLLM's)")
     parser.add_argument("--mamba-ssm-cache-dtype", help="vLLM --mamba-ssm-cache-dtype (default: the model's)")
+    parser.add_argument("--prefix-match-unit", type=int, help="vLLM --prefix-match-unit (finer hit granularity)")
     parser.add_argument("--additional-config", type=_parse_json_object, help="vLLM --additional-config JSON")
     parser.add_argument("--per-request", action="store_true", help="keep per-request hits in the JSON output")
     args = parser.parse_args(argv)
@@ -534,14 +541,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        prefix_match_unit=args.prefix_match_unit,
         additional_config=args.additional_config,
     )
     runs = []
     print(f"{'cache GiB':>9} {'block':>5} {'blocks':>7} {'token hit':>9} {'req hit':>7} {'computed':>10} {'s':>6}")
     for cache_bytes in args.cache_gb:
-        result = replay(
-            requests, hf_config, cache_bytes, max_concurrency=args.max_concurrency, options=options
-        )
+        result = replay(requests, hf_config, cache_bytes, max_concurrency=args.max_concurrency, options=options)
         if not args.per_request:
             del result["per_request"]
         runs.append(result)

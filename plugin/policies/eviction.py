@@ -1,0 +1,464 @@
+"""FLOP-aware eviction (Marconi, arXiv 2411.19379) at O(B + log n) per pick instead of Marconi's O(n).
+
+A candidate's utility is ``recency + alpha * flop_efficiency``, both min-max normalised over the current
+candidates; the lowest utility is evicted. ``flop_efficiency`` is the prefill FLOPs the node saves relative to
+its parent (``spec.segment_flops(node.start, node.end)``) per byte it holds (its KV, plus its state if it has
+one). ``alpha == 0`` is exactly LRU over the candidates.
+
+Candidates and their recency (the tree's logical clock ticks):
+
+- ``pick_leaf``: unlocked leaves, by ``last_access``.
+- ``pick_state``: nodes with an unlocked state and at most one child (Marconi: dropping the state of a node with
+  one child lets the child absorb its KV, while a branch point's state serves several paths), by
+  ``state_access``. When there is none, any node with an unlocked state, so that state eviction never stalls.
+- ``pick_victim``: both at once, for one budget shared by KV and states. An unlocked leaf is freed whole and is
+  as recent as the older of its ``last_access`` and ``state_access`` (the LRU baseline reaches such a leaf
+  through either of its two lists); any other candidate only loses its state and is as recent as its
+  ``state_access``. Falls back to branch-point states like ``pick_state``.
+
+Each candidate set files its members into ``B`` log-spaced efficiency buckets, each a heap ordered by recency.
+Within a bucket efficiencies are nearly equal, so its oldest member is (up to the bucket's width) its lowest
+utility, and a pick only scores the heads of the non-empty buckets. The oldest candidate is the oldest head; the
+newest candidate and the least and most efficient ones come from three more heaps. All heaps delete lazily (an
+entry is live while its member is alive and still carries the entry's stamp) and are rebuilt when stale entries
+outnumber live ones. ``docs/policies.md`` derives the error bound of the bucketing and the costs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from hybrid_prefix_cache.core.tree import HybridRadixTree, Node
+
+DEFAULT_BUCKETS = 64
+DEFAULT_MAX_CONTEXT = 1 << 20
+
+# A heap is rebuilt from its live entries once it holds more than twice as many entries as live members plus
+# this slack; the slack keeps small heaps from being rebuilt after every few updates.
+_COMPACTION_SLACK = 32
+
+CANDIDATE_KINDS = ("leaf", "state", "victim")
+
+
+class CostSpec(Protocol):
+    """What the policy needs from a model; :class:`hybrid_prefix_cache.cost_model.ModelSpec` provides it."""
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def state_bytes(self) -> int: ...
+
+    def segment_flops(self, start: int, end: int) -> float: ...
+
+
+class _Member:
+    """One node's entry in one candidate set; heap entries point at it and are live while ``stamp`` matches."""
+
+    __slots__ = ("alive", "bucket", "efficiency", "efficiency_stamp", "node", "recency", "stamp")
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.alive = True
+        self.recency = 0
+        self.bucket = 0
+        self.stamp = -1
+        self.efficiency = 0.0
+        self.efficiency_stamp = -1
+
+
+def _recency_entry_live(entry: tuple) -> bool:
+    return entry[2].alive and entry[2].stamp == entry[1]
+
+
+def _efficiency_entry_live(entry: tuple) -> bool:
+    return entry[2].alive and entry[2].efficiency_stamp == entry[1]
+
+
+def _live_top(heap: list, is_live: Callable[[tuple], bool]) -> _Member:
+    while not is_live(heap[0]):
+        heapq.heappop(heap)
+    return heap[0][2]
+
+
+def _compact_if_stale(heap: list, live_members: int, is_live: Callable[[tuple], bool]) -> None:
+    if len(heap) > 2 * live_members + _COMPACTION_SLACK:
+        heap[:] = [kept for kept in heap if is_live(kept)]
+        heapq.heapify(heap)
+
+
+def _push(heap: list, entry: tuple, live_members: int, is_live: Callable[[tuple], bool]) -> None:
+    heapq.heappush(heap, entry)
+    _compact_if_stale(heap, live_members, is_live)
+
+
+class _CandidateSet:
+    """The nodes eligible for one kind of pick, bucketed by efficiency and ordered by recency in each bucket."""
+
+    __slots__ = ("_bucket_sizes", "_buckets", "_least_efficient", "_most_efficient", "_newest", "_stamps", "size")
+
+    def __init__(self, stamps: Iterator[int]) -> None:
+        self._stamps = stamps
+        self._buckets: dict[int, list] = {}
+        self._bucket_sizes: dict[int, int] = {}
+        self._newest: list = []
+        self._least_efficient: list = []
+        self._most_efficient: list = []
+        self.size = 0
+
+    def place(
+        self, member: _Member | None, wanted: bool, node: Node, recency: int, efficiency: float, bucket: int
+    ) -> _Member | None:
+        """Add, re-key or remove ``node`` so that it is a member exactly when ``wanted``; returns its member."""
+        if not wanted:
+            if member is not None:
+                self._remove(member)
+            return None
+        if member is None:
+            member = _Member(node)
+            self.size += 1
+            self._file(member, recency, bucket)
+            self._file_efficiency(member, efficiency)
+            return member
+        if member.efficiency != efficiency:
+            self._file_efficiency(member, efficiency)
+        if member.recency != recency or member.bucket != bucket:
+            self._unfile(member)
+            self._file(member, recency, bucket)
+        return member
+
+    def _file(self, member: _Member, recency: int, bucket: int) -> None:
+        member.recency = recency
+        member.bucket = bucket
+        member.stamp = stamp = next(self._stamps)
+        heap = self._buckets.get(bucket)
+        if heap is None:
+            heap = self._buckets[bucket] = []
+            self._bucket_sizes[bucket] = 0
+        self._bucket_sizes[bucket] += 1
+        _push(heap, (recency, stamp, member), self._bucket_sizes[bucket], _recency_entry_live)
+        _push(self._newest, (-recency, stamp, member), self.size, _recency_entry_live)
+
+    def _file_efficiency(self, member: _Member, efficiency: float) -> None:
+        member.efficiency = efficiency
+        member.efficiency_stamp = stamp = next(self._stamps)
+        _push(self._least_efficient, (efficiency, stamp, member), self.size, _efficiency_entry_live)
+        _push(self._most_efficient, (-efficiency, stamp, member), self.size, _efficiency_entry_live)
+
+    def _unfile(self, member: _Member) -> None:
+        """Take ``member`` out of its bucket's count; a bucket left empty is dropped with its stale entries."""
+        bucket = member.bucket
+        remaining = self._bucket_sizes[bucket] - 1
+        if remaining:
+            self._bucket_sizes[bucket] = remaining
+            _compact_if_stale(self._buckets[bucket], remaining, _recency_entry_live)
+        else:
+            del self._bucket_sizes[bucket]
+            del self._buckets[bucket]
+
+    def _remove(self, member: _Member) -> None:
+        member.alive = False
+        self.size -= 1
+        self._unfile(member)
+        _compact_if_stale(self._newest, self.size, _recency_entry_live)
+        _compact_if_stale(self._least_efficient, self.size, _efficiency_entry_live)
+        _compact_if_stale(self._most_efficient, self.size, _efficiency_entry_live)
+
+    def heads(self) -> list[_Member]:
+        """The oldest member of every non-empty bucket."""
+        return [_live_top(heap, _recency_entry_live) for heap in self._buckets.values()]
+
+    def pick(self, alpha: float) -> Node | None:
+        if not self.size:
+            return None
+        heads = self.heads()
+        oldest = min(heads, key=lambda head: (head.recency, head.stamp))
+        if alpha == 0:
+            return oldest.node
+        recency_span = _live_top(self._newest, _recency_entry_live).recency - oldest.recency
+        least_efficiency = _live_top(self._least_efficient, _efficiency_entry_live).efficiency
+        efficiency_span = _live_top(self._most_efficient, _efficiency_entry_live).efficiency - least_efficiency
+        recency_scale = 1.0 / recency_span if recency_span else 0.0
+        efficiency_scale = alpha / efficiency_span if efficiency_span else 0.0
+        best = oldest
+        best_key = ((oldest.efficiency - least_efficiency) * efficiency_scale, oldest.recency, oldest.stamp)
+        for head in heads:
+            utility = (head.recency - oldest.recency) * recency_scale
+            utility += (head.efficiency - least_efficiency) * efficiency_scale
+            key = (utility, head.recency, head.stamp)
+            if key < best_key:
+                best, best_key = head, key
+        return best.node
+
+    def members(self) -> Iterator[_Member]:
+        """Every live member, for inspection (O(size))."""
+        for heap in self._buckets.values():
+            for entry in heap:
+                if _recency_entry_live(entry):
+                    yield entry[2]
+
+    def heap_entries(self) -> int:
+        return (
+            sum(len(heap) for heap in self._buckets.values())
+            + len(self._newest)
+            + len(self._least_efficient)
+            + len(self._most_efficient)
+        )
+
+
+class _NodeData:
+    """What the policy keeps in ``node.policy_data``: its memberships and its cached efficiency."""
+
+    __slots__ = ("bucket", "efficiency", "leaf", "seen_access", "shape", "state", "victim", "wide")
+
+    def __init__(self) -> None:
+        self.leaf: _Member | None = None
+        self.state: _Member | None = None
+        self.victim: _Member | None = None
+        self.wide: _Member | None = None
+        self.seen_access = -1
+        self.shape: tuple[int, int, bool] | None = None
+        self.efficiency = 0.0
+        self.bucket = 0
+
+
+class FlopAwareEviction:
+    """Marconi's FLOP-aware eviction over the tree's nodes; see the module docstring.
+
+    ``buckets`` log-spaced efficiency buckets span from the efficiency of one token at position 0 with a state
+    to that of one stateless token at position ``max_context``; efficiencies outside that range go to the end
+    buckets. ``alpha`` may be changed at any time (:class:`~hybrid_prefix_cache.policies.tuning.AlphaTuner`
+    does): buckets depend on efficiency only, so only the next pick changes.
+    """
+
+    observes_nodes = True
+
+    def __init__(
+        self,
+        spec: CostSpec,
+        alpha: float = 0.0,
+        buckets: int = DEFAULT_BUCKETS,
+        *,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+    ) -> None:
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ValueError(f"FlopAwareEviction: buckets must be a positive integer, got {buckets!r}")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"FlopAwareEviction: max_context must be a positive integer, got {max_context!r}")
+        self.spec = spec
+        self.alpha = alpha
+        self.num_buckets = buckets
+        self._kv_bytes_per_token = spec.kv_bytes_per_token
+        self._state_bytes = spec.state_bytes
+        if self._kv_bytes_per_token < 0 or self._state_bytes < 0:
+            raise ValueError("FlopAwareEviction: the spec's kv_bytes_per_token and state_bytes must be >= 0")
+        self.lowest_bucketed_efficiency = spec.segment_flops(0, 1) / max(
+            self._kv_bytes_per_token + self._state_bytes, 1
+        )
+        highest = spec.segment_flops(max_context - 1, max_context) / max(self._kv_bytes_per_token, 1)
+        if self.lowest_bucketed_efficiency > 0 and highest > self.lowest_bucketed_efficiency:
+            self._buckets_per_log = buckets / math.log(highest / self.lowest_bucketed_efficiency)
+        else:
+            self._buckets_per_log = 0.0
+        self.bucket_ratio = math.exp(1 / self._buckets_per_log) if self._buckets_per_log else math.inf
+        self._tree: HybridRadixTree | None = None
+        self._reset()
+
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"FlopAwareEviction: alpha must be a finite number >= 0, got {value!r}")
+        self._alpha = float(value)
+
+    def _reset(self) -> None:
+        stamps = itertools.count()
+        self._leaves = _CandidateSet(stamps)
+        self._states = _CandidateSet(stamps)
+        self._victims = _CandidateSet(stamps)
+        self._branch_states = _CandidateSet(stamps)
+        # The tree stamps ``state_access`` after it has notified the touched path (match, insert), so the
+        # stateful nodes of every touched path are re-read before the next pick.
+        self._state_touch_suspects: set[Node] = set()
+
+    # ------------------------------------------------------------------ EvictionPolicy
+
+    def attach(self, tree: HybridRadixTree) -> None:
+        """Start observing ``tree`` (the tree calls this again when it resets: everything is forgotten)."""
+        self._tree = tree
+        self._reset()
+
+    def node_changed(self, node: Node) -> None:
+        if node.parent is None:
+            return  # the root, which is never a candidate
+        data = node.policy_data
+        if data is None:
+            data = node.policy_data = _NodeData()
+        has_state = node.state is not None
+        if node.last_access != data.seen_access:
+            data.seen_access = node.last_access
+            if has_state:
+                self._state_touch_suspects.add(node)
+        unlocked_leaf = not node.full_lock and not node.children
+        free_state = has_state and not node.state_lock
+        narrow = free_state
+        if unlocked_leaf or free_state:
+            efficiency, bucket = self._efficiency(node, data)
+        else:
+            efficiency, bucket = 0.0, 0
+        data.leaf = self._leaves.place(data.leaf, unlocked_leaf, node, node.last_access, efficiency, bucket)
+        data.state = self._states.place(data.state, narrow, node, node.state_access, efficiency, bucket)
+        if unlocked_leaf:
+            victim_recency = min(node.last_access, node.state_access) if has_state else node.last_access
+        else:
+            victim_recency = node.state_access
+        data.victim = self._victims.place(
+            data.victim, unlocked_leaf or narrow, node, victim_recency, efficiency, bucket
+        )
+        data.wide = self._branch_states.place(
+            data.wide, free_state and not narrow, node, node.state_access, efficiency, bucket
+        )
+
+    def node_removed(self, node: Node) -> None:
+        data = node.policy_data
+        if data is None:
+            return
+        for candidates, member in (
+            (self._leaves, data.leaf),
+            (self._states, data.state),
+            (self._victims, data.victim),
+            (self._branch_states, data.wide),
+        ):
+            candidates.place(member, False, node, 0, 0.0, 0)
+        node.policy_data = None
+        self._state_touch_suspects.discard(node)
+
+    def pick_leaf(self) -> Node | None:
+        self._refresh_state_touches()
+        return self._leaves.pick(self._alpha)
+
+    def pick_state(self) -> Node | None:
+        self._refresh_state_touches()
+        return self._states.pick(self._alpha) or self._branch_states.pick(self._alpha)
+
+    def pick_victim(self) -> Node | None:
+        self._refresh_state_touches()
+        return self._victims.pick(self._alpha) or self._branch_states.pick(self._alpha)
+
+    # ------------------------------------------------------------------ scoring
+
+    def efficiency_of(self, node: Node) -> float:
+        """FLOPs saved relative to the parent per byte held (a node holding nothing counts as one byte)."""
+        held = len(node.key) * self._kv_bytes_per_token + (self._state_bytes if node.state is not None else 0)
+        return self.spec.segment_flops(node.start, node.end) / max(held, 1)
+
+    def bucket_of(self, efficiency: float) -> int:
+        if efficiency <= self.lowest_bucketed_efficiency or not self._buckets_per_log:
+            return 0
+        bucket = int(math.log(efficiency / self.lowest_bucketed_efficiency) * self._buckets_per_log)
+        return min(bucket, self.num_buckets - 1)
+
+    def _efficiency(self, node: Node, data: _NodeData) -> tuple[float, int]:
+        shape = (node.end, len(node.key), node.state is not None)
+        if shape != data.shape:
+            data.shape = shape
+            data.efficiency = self.efficiency_of(node)
+            data.bucket = self.bucket_of(data.efficiency)
+        return data.efficiency, data.bucket
+
+    def _refresh_state_touches(self) -> None:
+        if self._state_touch_suspects:
+            suspects, self._state_touch_suspects = self._state_touch_suspects, set()
+            for node in suspects:
+                self.node_changed(node)
+
+    def _candidate_set(self, kind: str) -> _CandidateSet:
+        self._refresh_state_touches()
+        if kind == "leaf":
+            return self._leaves
+        if kind == "state":
+            return self._states if self._states.size else self._branch_states
+        if kind == "victim":
+            return self._victims if self._victims.size else self._branch_states
+        raise ValueError(f"candidate kind must be one of {CANDIDATE_KINDS}, got {kind!r}")
+
+    def utilities(self, kind: str) -> list[tuple[Node, float]]:
+        """Every current candidate of ``kind`` (``leaf``, ``state`` or ``victim``) with its exact Marconi
+        utility, lowest first. O(n): for inspection and reports, never called by a pick."""
+        members = list(self._candidate_set(kind).members())
+        if not members:
+            return []
+        oldest = min(member.recency for member in members)
+        recency_span = max(member.recency for member in members) - oldest
+        least = min(member.efficiency for member in members)
+        efficiency_span = max(member.efficiency for member in members) - least
+        scored = []
+        for member in members:
+            utility = (member.recency - oldest) / recency_span if recency_span else 0.0
+            if efficiency_span:
+                utility += self._alpha * (member.efficiency - least) / efficiency_span
+            scored.append((utility, member.recency, member.stamp, member.node))
+        scored.sort(key=lambda item: item[:3])
+        return [(node, utility) for utility, _, _, node in scored]
+
+    # ------------------------------------------------------------------ checks
+
+    def heap_entries(self) -> int:
+        """Heap entries held over all candidate sets, stale ones included (bounded by compaction)."""
+        return sum(
+            candidates.heap_entries()
+            for candidates in (self._leaves, self._states, self._victims, self._branch_states)
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every candidate set holds exactly the nodes it should, with their
+        current recency and efficiency (O(n); for tests)."""
+        if self._tree is None:
+            raise AssertionError("FlopAwareEviction is not attached to a tree")
+        self._refresh_state_touches()
+        expected: dict[str, dict[int, tuple[int, float]]] = {"leaf": {}, "state": {}, "victim": {}, "wide": {}}
+        stack = list(self._tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            efficiency = self.efficiency_of(node)
+            unlocked_leaf = not node.full_lock and not node.children
+            free_state = node.state is not None and not node.state_lock
+            narrow = free_state and len(node.children) <= 1
+            if unlocked_leaf:
+                expected["leaf"][node.node_id] = (node.last_access, efficiency)
+                recency = node.last_access if node.state is None else min(node.last_access, node.state_access)
+                expected["victim"][node.node_id] = (recency, efficiency)
+            elif narrow:
+                expected["victim"][node.node_id] = (node.state_access, efficiency)
+            if narrow:
+                expected["state"][node.node_id] = (node.state_access, efficiency)
+            elif free_state:
+                expected["wide"][node.node_id] = (node.state_access, efficiency)
+        for name, candidates in (
+            ("leaf", self._leaves),
+            ("state", self._states),
+            ("victim", self._victims),
+            ("wide", self._branch_states),
+        ):
+            held = {}
+            for member in candidates.members():
+                held[member.node.node_id] = (member.recency, member.efficiency)
+                assert member.bucket == self.bucket_of(member.efficiency), f"{member.node!r}: wrong bucket"
+            assert candidates.size == len(held), f"{name} candidates: size {candidates.size}, {len(held)} live"
+            assert set(held) == set(expected[name]), (
+                f"{name} candidates: {sorted(held)} held, {sorted(expected[name])} expected"
+            )
+            for node_id, (recency, efficiency) in expected[name].items():
+                got_recency, got_efficiency = held[node_id]
+                assert got_recency == recency, f"{name} candidate #{node_id}: recency {got_recency} != {recency}"
+                assert math.isclose(got_efficiency, efficiency, rel_tol=1e-12), (
+                    f"{name} candidate #{node_id}: efficiency {got_efficiency} != {efficiency}"
+                )

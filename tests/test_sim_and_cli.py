@@ -1,0 +1,73 @@
+"""The simulator's memory models and slot accounting, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_prefix_cache.bench.sim import MemoryModel, SimSettings, build_simulator
+from hybrid_prefix_cache.bench.traces import load_trace
+from hybrid_prefix_cache.cli import main
+from hybrid_prefix_cache.cost_model import load_model_spec
+from hybrid_prefix_cache.bench.runner import RECORD_KEYS
+
+SPEC = load_model_spec("paper-7b")
+GIB = 1 << 30
+
+
+def test_vllm_layout_matches_the_block_arithmetic_recorded_on_vllm():
+    memory = MemoryModel.vllm(SPEC, 10 * GIB)
+    assert memory.page_size == 80  # 16 x ceil(1,099,264 / 262,144)
+    block_bytes = 4 * 80 * 16_384  # a group of 4 layers, attention page 80 tokens x 16 KiB
+    assert memory.state_bytes == 6 * block_bytes  # one state = one block per state group = 30 MiB
+    assert memory.state_bytes == 30 * (1 << 20)
+    assert memory.kv_capacity == (10 * GIB // block_bytes) * 80
+
+
+def test_split_layout_gives_states_ratio_over_one_plus_ratio_of_the_budget():
+    memory = MemoryModel.split(SPEC, 10 * GIB, ratio=0.9)
+    assert memory.state_capacity == int(10 * GIB * 0.9 / 1.9 // SPEC.state_bytes)
+    assert memory.kv_capacity == (10 * GIB - memory.state_capacity * SPEC.state_bytes) // SPEC.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("backend", ["vllm-align", "upstream-mamba", "mamba-radix", "marconi/lru", "periodic:512/lru"])
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_replay_under_pressure_keeps_the_tree_valid_and_leaks_no_slot(backend, layout):
+    requests = load_trace("default")
+    simulator = build_simulator(backend, SPEC, int(0.5 * GIB), layout=layout, settings=SimSettings())
+    result = simulator.run(requests)
+    simulator.tree.check_invariants()
+    assert result.requests + result.rejected_requests == len(requests)
+    assert simulator.tree.protected_tokens == 0 and simulator.tree.protected_states == 0
+    assert simulator.pools.kv_used == simulator.tree.total_tokens
+    assert simulator.pools.states_used == simulator.tree.total_states
+    assert 0.0 <= result.token_hit_rate <= 1.0
+    assert result.input_tokens == result.reused_tokens + result.prefill_tokens_computed
+
+
+def test_cli_version_backends_and_bad_input(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert "hybrid-prefix-cache 0.1.0" in capsys.readouterr().out
+    assert main(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mamba-radix") and lines[1].startswith("marconi")
+    assert main(["bench", "--backends", "nope", "--no-progress"]) == 2
+    assert "unknown prefix-cache backend 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--cache-gb", "0"])
+
+
+def test_cli_bench_writes_one_record_per_backend_and_size(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code = main(["bench", "--cache-gb", "1,2", "--backends", "vllm-align,mamba-radix", "--json", str(out),
+                 "--no-progress"])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert [(r["backend"], r["cache_gb"]) for r in records] == [
+        ("vllm-align", 1.0), ("vllm-align", 2.0), ("mamba-radix", 1.0), ("mamba-radix", 2.0)]
+    for record in records:
+        assert set(RECORD_KEYS) <= set(record)
+    assert "token hit rate (%)" in capsys.readouterr().out
