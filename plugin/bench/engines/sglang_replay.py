@@ -65,6 +65,7 @@ Run ``python -m hybrid_prefix_cache.bench.engines.sglang_replay --help`` in ``.v
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -398,6 +399,15 @@ def _check_turn_fits(request: TraceRequest, max_total_num_tokens: int, context_l
         )
 
 
+# What run_request imports, loaded before the replay's clock starts.
+_SCHEDULER_MODULES = (
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.mem_cache.allocation",
+    "sglang.srt.mem_cache.common",
+    "sglang.srt.sampling.sampling_params",
+)
+
+
 def run_request(cache: UpstreamCache, request: TraceRequest, rid: str) -> int:
     """Runs one request through the scheduler's cache calls (see the module docstring); returns its hit."""
     from sglang.srt.managers.schedule_batch import Req
@@ -475,6 +485,8 @@ def replay(
     for request in ordered:
         _check_turn_fits(request, sizes.max_total_num_tokens, context_len)
 
+    for module in _SCHEDULER_MODULES:
+        importlib.import_module(module)
     started = time.perf_counter()
     tally = _Tally()
     per_request: list[dict[str, Any]] = []
