@@ -243,3 +243,13 @@ def test_shared_budget_eviction_frees_the_older_of_leaf_and_state():
     result = tree.evict_memory(10_000, kv_bytes_per_token=10, state_bytes=100)
     assert tree.num_nodes == 0 and tree.total_states == 0
     tree.check_invariants()
+
+
+def test_keep_stateless_leaves_retains_kv_until_evicted():
+    tree, pools = make_tree(keep_stateless_leaves=True)
+    cache(tree, pools, [1, 2, 3, 4], with_state=False)
+    assert tree.num_nodes == 1 and tree.total_states == 0
+    match = tree.match([1, 2, 3, 4, 5], record=False)
+    assert (match.matched_len, match.reusable_len) == (4, 0)
+    tree.check_invariants()
+    assert tree.evict_tokens(1).tokens == 4 and tree.num_nodes == 0

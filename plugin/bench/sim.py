@@ -195,7 +195,8 @@ class CacheSimulator:
         self.eviction = make_eviction(alpha)
         chunk = max(settings.chunk, memory.page_size) if settings.chunk else 0
         self.tree = HybridRadixTree(self.pools, page_size=memory.page_size, state_chunk_size=chunk,
-                                    eviction=self.eviction, flops_saved=spec.flops_saved)
+                                    eviction=self.eviction, flops_saved=spec.flops_saved,
+                                    keep_stateless_leaves=admission.caches_kv_without_state)
         self.tuner = None
         if tune:
             from hybrid_prefix_cache.policies.tuning import AlphaTuner
@@ -267,6 +268,8 @@ class CacheSimulator:
     def _finish(self, flight: _InFlight) -> None:
         if self.admission.keep_final_state():
             self._insert(flight, len(flight.key), with_state=True, donate=True)
+        elif self.admission.caches_kv_without_state:
+            self._insert(flight, len(flight.key), with_state=False, donate=False)
         self.pools.kv_used -= flight.kv_reserved
         if flight.state_owned:
             self.pools.states_used -= 1
@@ -414,6 +417,7 @@ class UpstreamNoBufferAdmission:
     """SGLang 0.5.20's default (no extra buffer): the state at the exact end of the input, and the final state."""
 
     name = "upstream-nobuffer"
+    caches_kv_without_state = False
 
     def prefill_captures(self, input_len: int, reused_len: int, branching_seqlen: int | None, chunk: int) -> list[int]:
         return [input_len] if input_len > reused_len else []
@@ -426,6 +430,7 @@ class VllmAlignAdmission:
     """vLLM's ``align`` mode: states at the prompt's last full block and at the shared-prefix junction only."""
 
     name = "vllm-align"
+    caches_kv_without_state = True  # vLLM hashes every full attention block, prompt and output alike
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

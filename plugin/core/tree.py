@@ -197,8 +197,10 @@ class HybridRadixTree:
     """A radix tree whose nodes hold per-token KV slots and at most one recurrent-state slot each.
 
     ``page_size`` tokens form the unit of matching and storing; ``state_chunk_size`` aligns the branching
-    seqlen (0 disables it). Namespaces (LoRA id, cache salt) never share nodes. ``kv_concat`` joins two KV
-    sequences when the caller needs one (only :meth:`kv_of_path` uses it).
+    seqlen (0 disables it). Namespaces (LoRA id, cache salt) never share nodes.
+
+    ``keep_stateless_leaves`` keeps KV that no state makes reusable until eviction takes it, instead of
+    removing a tombstone leaf at once; it exists to model engines that cache such KV (vLLM's attention blocks).
     """
 
     def __init__(
@@ -209,6 +211,7 @@ class HybridRadixTree:
         state_chunk_size: int = 64,
         eviction: EvictionPolicy | None = None,
         flops_saved: Callable[[int], float] | None = None,
+        keep_stateless_leaves: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -218,6 +221,7 @@ class HybridRadixTree:
         self.page_size = page_size
         self.state_chunk_size = state_chunk_size
         self.flops_saved = flops_saved
+        self.keep_stateless_leaves = keep_stateless_leaves
         self.eviction: EvictionPolicy = eviction or LRUEviction()
         self.stats = CacheStats()
         self._init_structure()
@@ -527,6 +531,8 @@ class HybridRadixTree:
 
     def _remove_if_dead_tombstone(self, node: Node, result: EvictResult | None = None) -> None:
         """Delete ``node`` and then its ancestors while each is an unlocked stateless leaf."""
+        if self.keep_stateless_leaves:
+            return
         result = result or EvictResult()
         while node is not self.root and not node.children and node.state is None and node.full_lock == 0:
             node = self._unlink_leaf(node, result)
@@ -604,7 +610,7 @@ class HybridRadixTree:
             assert sum(c.full_lock for c in node.children.values()) <= node.full_lock, (
                 f"{node!r}: children hold more path locks than the node"
             )
-            assert not (node.is_leaf and node.state is None and node.full_lock == 0), (
+            assert self.keep_stateless_leaves or not (node.is_leaf and node.state is None and node.full_lock == 0), (
                 f"{node!r}: unlocked tombstone leaf"
             )
             if parent is not self.root:

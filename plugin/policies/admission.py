@@ -20,6 +20,7 @@ from typing import Protocol
 
 class AdmissionPolicy(Protocol):
     name: str
+    caches_kv_without_state: bool
 
     def prefill_captures(self, input_len: int, reused_len: int, branching_seqlen: int | None, chunk: int) -> list[int]:
         """Sorted lengths in (reused_len, input_len] whose state the prefill should capture and cache."""
@@ -37,6 +38,7 @@ class AdmitAll:
     """Upstream's admission: branch point, end of input (chunk-floored), final state."""
 
     name: str = "all"
+    caches_kv_without_state: bool = False
 
     def prefill_captures(self, input_len: int, reused_len: int, branching_seqlen: int | None, chunk: int) -> list[int]:
         end = input_len // chunk * chunk if chunk else input_len
@@ -51,6 +53,7 @@ class MarconiAdmission:
     """Only branch points and the state after the last decoded token."""
 
     name: str = "marconi"
+    caches_kv_without_state: bool = False
 
     def prefill_captures(self, input_len: int, reused_len: int, branching_seqlen: int | None, chunk: int) -> list[int]:
         return _window([branching_seqlen or 0], reused_len, input_len)
@@ -65,6 +68,7 @@ class PeriodicAdmission:
 
     period: int
     name: str = "periodic"
+    caches_kv_without_state: bool = False
 
     def __post_init__(self) -> None:
         if self.period < 1:

@@ -20,8 +20,8 @@ Each candidate set files its members into ``B`` log-spaced efficiency buckets, e
 Within a bucket efficiencies are nearly equal, so its oldest member is (up to the bucket's width) its lowest
 utility, and a pick only scores the heads of the non-empty buckets. The oldest candidate is the oldest head; the
 newest candidate and the least and most efficient ones come from three more heaps. All heaps delete lazily (an
-entry is live while its member is alive and still carries the entry's stamp) and are rebuilt when stale entries
-outnumber live ones. ``docs/policies.md`` derives the error bound of the bucketing and the costs.
+entry is live while its stamp is its member's current one) and are rebuilt when stale entries outnumber live
+ones. ``docs/policies.md`` derives the error bound of the bucketing and the costs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 from hybrid_prefix_cache.core.tree import HybridRadixTree, Node
@@ -57,13 +57,12 @@ class CostSpec(Protocol):
 
 
 class _Member:
-    """One node's entry in one candidate set; heap entries point at it and are live while ``stamp`` matches."""
+    """One node's membership in one candidate set, under its current recency and efficiency stamps."""
 
-    __slots__ = ("alive", "bucket", "efficiency", "efficiency_stamp", "node", "recency", "stamp")
+    __slots__ = ("bucket", "efficiency", "efficiency_stamp", "node", "recency", "stamp")
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.alive = True
         self.recency = 0
         self.bucket = 0
         self.stamp = -1
@@ -71,43 +70,33 @@ class _Member:
         self.efficiency_stamp = -1
 
 
-def _recency_entry_live(entry: tuple) -> bool:
-    return entry[2].alive and entry[2].stamp == entry[1]
-
-
-def _efficiency_entry_live(entry: tuple) -> bool:
-    return entry[2].alive and entry[2].efficiency_stamp == entry[1]
-
-
-def _live_top(heap: list, is_live: Callable[[tuple], bool]) -> _Member:
-    while not is_live(heap[0]):
-        heapq.heappop(heap)
-    return heap[0][2]
-
-
-def _compact_if_stale(heap: list, live_members: int, is_live: Callable[[tuple], bool]) -> None:
-    if len(heap) > 2 * live_members + _COMPACTION_SLACK:
-        heap[:] = [kept for kept in heap if is_live(kept)]
-        heapq.heapify(heap)
-
-
-def _push(heap: list, entry: tuple, live_members: int, is_live: Callable[[tuple], bool]) -> None:
-    heapq.heappush(heap, entry)
-    _compact_if_stale(heap, live_members, is_live)
-
-
 class _CandidateSet:
-    """The nodes eligible for one kind of pick, bucketed by efficiency and ordered by recency in each bucket."""
+    """The nodes eligible for one kind of pick, bucketed by efficiency and ordered by recency in each bucket.
 
-    __slots__ = ("_bucket_sizes", "_buckets", "_least_efficient", "_most_efficient", "_newest", "_stamps", "size")
+    Heap entries are ``(key, stamp)`` pairs; ``_live`` maps the current stamps (a member holds one for its
+    recency and one for its efficiency) to their member, so an entry whose stamp is gone is stale. Entries hold
+    no object references, which keeps them out of the garbage collector's traversals.
+    """
 
-    def __init__(self, stamps: Iterator[int]) -> None:
-        self._stamps = stamps
-        self._buckets: dict[int, list] = {}
+    __slots__ = (
+        "_bucket_sizes",
+        "_buckets",
+        "_least_efficient",
+        "_live",
+        "_most_efficient",
+        "_newest",
+        "_stamps",
+        "size",
+    )
+
+    def __init__(self) -> None:
+        self._stamps = itertools.count()
+        self._live: dict[int, _Member] = {}
+        self._buckets: dict[int, list[tuple[int, int]]] = {}
         self._bucket_sizes: dict[int, int] = {}
-        self._newest: list = []
-        self._least_efficient: list = []
-        self._most_efficient: list = []
+        self._newest: list[tuple[int, int]] = []
+        self._least_efficient: list[tuple[float, int]] = []
+        self._most_efficient: list[tuple[float, int]] = []
         self.size = 0
 
     def place(
@@ -125,81 +114,105 @@ class _CandidateSet:
             self._file_efficiency(member, efficiency)
             return member
         if member.efficiency != efficiency:
+            del self._live[member.efficiency_stamp]
             self._file_efficiency(member, efficiency)
         if member.recency != recency or member.bucket != bucket:
             self._unfile(member)
             self._file(member, recency, bucket)
         return member
 
+    def _push(self, heap: list, entry: tuple, live_entries: int) -> None:
+        heapq.heappush(heap, entry)
+        self._compact_if_stale(heap, live_entries)
+
+    def _compact_if_stale(self, heap: list, live_entries: int) -> None:
+        if len(heap) > 2 * live_entries + _COMPACTION_SLACK:
+            live = self._live
+            heap[:] = [entry for entry in heap if entry[1] in live]
+            heapq.heapify(heap)
+
+    def _top(self, heap: list) -> _Member:
+        live = self._live
+        while heap[0][1] not in live:
+            heapq.heappop(heap)
+        return live[heap[0][1]]
+
     def _file(self, member: _Member, recency: int, bucket: int) -> None:
         member.recency = recency
         member.bucket = bucket
         member.stamp = stamp = next(self._stamps)
+        self._live[stamp] = member
         heap = self._buckets.get(bucket)
         if heap is None:
             heap = self._buckets[bucket] = []
             self._bucket_sizes[bucket] = 0
         self._bucket_sizes[bucket] += 1
-        _push(heap, (recency, stamp, member), self._bucket_sizes[bucket], _recency_entry_live)
-        _push(self._newest, (-recency, stamp, member), self.size, _recency_entry_live)
+        self._push(heap, (recency, stamp), self._bucket_sizes[bucket])
+        self._push(self._newest, (-recency, stamp), self.size)
 
     def _file_efficiency(self, member: _Member, efficiency: float) -> None:
         member.efficiency = efficiency
         member.efficiency_stamp = stamp = next(self._stamps)
-        _push(self._least_efficient, (efficiency, stamp, member), self.size, _efficiency_entry_live)
-        _push(self._most_efficient, (-efficiency, stamp, member), self.size, _efficiency_entry_live)
+        self._live[stamp] = member
+        self._push(self._least_efficient, (efficiency, stamp), self.size)
+        self._push(self._most_efficient, (-efficiency, stamp), self.size)
 
     def _unfile(self, member: _Member) -> None:
-        """Take ``member`` out of its bucket's count; a bucket left empty is dropped with its stale entries."""
+        """Retire ``member``'s recency stamp; a bucket left empty is dropped with its stale entries."""
+        del self._live[member.stamp]
         bucket = member.bucket
         remaining = self._bucket_sizes[bucket] - 1
         if remaining:
             self._bucket_sizes[bucket] = remaining
-            _compact_if_stale(self._buckets[bucket], remaining, _recency_entry_live)
+            self._compact_if_stale(self._buckets[bucket], remaining)
         else:
             del self._bucket_sizes[bucket]
             del self._buckets[bucket]
 
     def _remove(self, member: _Member) -> None:
-        member.alive = False
-        self.size -= 1
         self._unfile(member)
-        _compact_if_stale(self._newest, self.size, _recency_entry_live)
-        _compact_if_stale(self._least_efficient, self.size, _efficiency_entry_live)
-        _compact_if_stale(self._most_efficient, self.size, _efficiency_entry_live)
+        del self._live[member.efficiency_stamp]
+        self.size -= 1
+        for heap in (self._newest, self._least_efficient, self._most_efficient):
+            self._compact_if_stale(heap, self.size)
 
-    def heads(self) -> list[_Member]:
-        """The oldest member of every non-empty bucket."""
-        return [_live_top(heap, _recency_entry_live) for heap in self._buckets.values()]
+    def _head_entries(self) -> list[tuple[int, int]]:
+        """The live entry of the oldest member of every non-empty bucket."""
+        live = self._live
+        heads = []
+        for heap in self._buckets.values():
+            while heap[0][1] not in live:
+                heapq.heappop(heap)
+            heads.append(heap[0])
+        return heads
 
     def pick(self, alpha: float) -> Node | None:
         if not self.size:
             return None
-        heads = self.heads()
-        oldest = min(heads, key=lambda head: (head.recency, head.stamp))
+        live = self._live
+        heads = self._head_entries()
+        oldest_recency, oldest_stamp = min(heads)
         if alpha == 0:
-            return oldest.node
-        recency_span = _live_top(self._newest, _recency_entry_live).recency - oldest.recency
-        least_efficiency = _live_top(self._least_efficient, _efficiency_entry_live).efficiency
-        efficiency_span = _live_top(self._most_efficient, _efficiency_entry_live).efficiency - least_efficiency
+            return live[oldest_stamp].node
+        recency_span = self._top(self._newest).recency - oldest_recency
+        least_efficiency = self._top(self._least_efficient).efficiency
+        efficiency_span = self._top(self._most_efficient).efficiency - least_efficiency
         recency_scale = 1.0 / recency_span if recency_span else 0.0
         efficiency_scale = alpha / efficiency_span if efficiency_span else 0.0
-        best = oldest
-        best_key = ((oldest.efficiency - least_efficiency) * efficiency_scale, oldest.recency, oldest.stamp)
-        for head in heads:
-            utility = (head.recency - oldest.recency) * recency_scale
-            utility += (head.efficiency - least_efficiency) * efficiency_scale
-            key = (utility, head.recency, head.stamp)
-            if key < best_key:
-                best, best_key = head, key
-        return best.node
+        best_key = None
+        for recency, stamp in heads:
+            utility = (recency - oldest_recency) * recency_scale
+            utility += (live[stamp].efficiency - least_efficiency) * efficiency_scale
+            key = (utility, recency, stamp)
+            if best_key is None or key < best_key:
+                best_key = key
+        return live[best_key[2]].node
 
     def members(self) -> Iterator[_Member]:
         """Every live member, for inspection (O(size))."""
-        for heap in self._buckets.values():
-            for entry in heap:
-                if _recency_entry_live(entry):
-                    yield entry[2]
+        for stamp, member in self._live.items():
+            if member.stamp == stamp:
+                yield member
 
     def heap_entries(self) -> int:
         return (
@@ -279,11 +292,10 @@ class FlopAwareEviction:
         self._alpha = float(value)
 
     def _reset(self) -> None:
-        stamps = itertools.count()
-        self._leaves = _CandidateSet(stamps)
-        self._states = _CandidateSet(stamps)
-        self._victims = _CandidateSet(stamps)
-        self._branch_states = _CandidateSet(stamps)
+        self._leaves = _CandidateSet()
+        self._states = _CandidateSet()
+        self._victims = _CandidateSet()
+        self._branch_states = _CandidateSet()
         # The tree stamps ``state_access`` after it has notified the touched path (match, insert), so the
         # stateful nodes of every touched path are re-read before the next pick.
         self._state_touch_suspects: set[Node] = set()

@@ -344,6 +344,7 @@ class HybridPrefixCache(BasePrefixCache):
         row = self._request_row(req, kv_len_to_handle)
         keep_track_slot: int | None = None
         donated_live_slot = False
+        final_lock: PathLock | None = None
         state_len = self._final_state_len(req, kv_len_to_handle) if is_insert else 0
         with self.pools.deferred():
             if state_len > protected:
@@ -354,7 +355,11 @@ class HybridPrefixCache(BasePrefixCache):
                     state = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
                 token_ids = (req.origin_input_ids + req.output_ids)[:state_len]
                 kv = row[:state_len].to(dtype=torch.int64, copy=True)
-                result = self.tree.insert(token_ids, kv, state, _namespace(req.extra_key, req.cache_salt))
+                # Locked until the request's own lock is released, so that the final state ends up more recent
+                # than the state the request resumed from: the next turn of a conversation needs the final one.
+                result = self.tree.insert(token_ids, kv, state, _namespace(req.extra_key, req.cache_salt),
+                                          lock=True)
+                final_lock = result.lock
                 self._free_duplicates(kv, protected, result.prefix_len)
                 owned_from = max(result.inserted_len, protected)
                 if result.state_taken:
@@ -372,6 +377,8 @@ class HybridPrefixCache(BasePrefixCache):
         elif req.kv.holds_mamba:
             pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=keep_track_slot)
         self._release_request_lock(req)
+        if final_lock is not None:
+            self.tree.unlock(final_lock)
 
     def _final_state_len(self, req: Req, kv_len: int) -> int:
         """Length of the state a finished request can leave: 0 when the policy keeps none."""

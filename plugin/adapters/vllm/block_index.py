@@ -173,10 +173,9 @@ class BlockCacheIndex:
         self._reset_candidates()
 
     def _reset_candidates(self) -> None:
-        stamps = itertools.count()
         self._dead: dict[int, None] = {}
-        self._narrow = _CandidateSet(stamps)
-        self._branch = _CandidateSet(stamps)
+        self._narrow = _CandidateSet()
+        self._branch = _CandidateSet()
 
     @property
     def alpha(self) -> float:
