@@ -71,6 +71,34 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=http://HOST:PORT, got {text!r}")
+    return name, url
+
+
+def _cmd_serve_ab(args: argparse.Namespace) -> int:
+    from hybrid_prefix_cache.bench.serve_ab import format_side_by_side, replay_against
+    from hybrid_prefix_cache.bench.traces import load_trace
+
+    requests = sorted(load_trace(args.trace), key=lambda r: r.ts)[: args.max_requests]
+    results = []
+    for name, url in (args.a, args.b):
+        print(f"replaying {len(requests)} requests against {name} ({url}) ...", file=sys.stderr)
+        results.append(replay_against(name, url, args.served_model, requests, concurrency=args.concurrency,
+                                      time_scale=args.time_scale, time_limit_s=args.time_limit,
+                                      vocab_size=args.vocab_size))
+    print(format_side_by_side(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump([{"server": r.name, "url": r.url, "requests": r.requests, "failed": r.failed,
+                        "ttft_p50_ms": r.ttft_ms(0.5), "ttft_p95_ms": r.ttft_ms(0.95),
+                        "output_tok_s": r.throughput_tok_s, "prompt_tokens": r.prompt_tokens,
+                        "cached_prompt_tokens": r.cached_prompt_tokens} for r in results], handle, indent=2)
+    return 0 if all(r.requests for r in results) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-prefix-cache",
@@ -106,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--export-trace", metavar="PATH", help="write the trace as JSONL")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(handler=_cmd_bench)
+
+    serve = commands.add_parser("serve-ab", help="replay a trace against two running OpenAI-compatible servers")
+    serve.add_argument("--a", type=_server, required=True, metavar="NAME=URL", help="first server, e.g. lru=http://127.0.0.1:8001")
+    serve.add_argument("--b", type=_server, required=True, metavar="NAME=URL", help="second server")
+    serve.add_argument("--served-model", required=True, help="the model name both servers serve")
+    serve.add_argument("--trace", default="default", help="trace name or JSONL path (default: default)")
+    serve.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    serve.add_argument("--concurrency", type=int, default=4, help="requests in flight per server (default 4)")
+    serve.add_argument("--time-scale", type=float, default=1.0, help="divide trace times by this (default 1)")
+    serve.add_argument("--time-limit", type=float, default=600.0, help="stop sending after this many seconds")
+    serve.add_argument("--vocab-size", type=int, default=None,
+                       help="map token ids into the served model's vocabulary (id modulo N)")
+    serve.add_argument("--json", metavar="PATH", help="write the side-by-side figures as JSON")
+    serve.set_defaults(handler=_cmd_serve_ab)
     return parser
 
 
