@@ -5,6 +5,9 @@ import json
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from hybrid_prefix_cache.cost_model import (
     BUNDLED_MODELS,
     GDN_CHUNK_SIZE,
@@ -12,8 +15,6 @@ from hybrid_prefix_cache.cost_model import (
     load_model_spec,
     model_spec_from_hf_config,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 # A spec with no layers at all; each test switches on the one component it checks.
 EMPTY = ModelSpec(

@@ -124,7 +124,7 @@ def test_min_max_normalisation_can_evict_the_middle_candidate():
 
 
 def test_state_candidates_have_at_most_one_child_and_fall_back_to_branch_points():
-    tree, pools, policy = make_tree()
+    tree, pools, policy = make_tree(alpha=1e-12)  # alpha 0 would be LRU itself
     branch = (1, 2, 3, 4)
     cache(tree, pools, branch)  # the oldest state
     cache(tree, pools, (*branch, 5, 6))
@@ -192,6 +192,9 @@ def test_bad_arguments_are_named():
         policy.utilities("leaves")
     with pytest.raises(AssertionError, match="not attached"):
         policy.check_invariants()
+    HybridRadixTree(SlotPools(kv_size=1, state_size=1), eviction=policy)
+    with pytest.raises(ValueError, match="another tree"):
+        HybridRadixTree(SlotPools(kv_size=1, state_size=1), eviction=policy)
 
 
 def test_buckets_are_log_spaced_between_the_spec_bounds():
@@ -259,8 +262,8 @@ def brute_force_candidates(tree: HybridRadixTree, kind: str) -> list[tuple[Node,
         node = stack.pop()
         stack.extend(node.children.values())
         nodes.append(node)
-    unlocked_leaves = [node for node in nodes if not node.full_lock and not node.children]
     free_states = [node for node in nodes if node.state is not None and not node.state_lock]
+    unlocked_leaves = [node for node in free_states if not node.full_lock and not node.children]
     narrow = [node for node in free_states if len(node.children) <= 1]
     branch_points = [node for node in free_states if len(node.children) > 1]
     if kind == "leaf":
@@ -268,10 +271,9 @@ def brute_force_candidates(tree: HybridRadixTree, kind: str) -> list[tuple[Node,
     if kind == "state":
         return [(node, node.state_access) for node in narrow or branch_points]
     leaf_ids = {node.node_id for node in unlocked_leaves}
-    victims = [
-        (node, min(node.last_access, node.state_access) if node.state is not None else node.last_access)
-        for node in unlocked_leaves
-    ] + [(node, node.state_access) for node in narrow if node.node_id not in leaf_ids]
+    victims = [(node, min(node.last_access, node.state_access)) for node in unlocked_leaves] + [
+        (node, node.state_access) for node in narrow if node.node_id not in leaf_ids
+    ]
     return victims or [(node, node.state_access) for node in branch_points]
 
 
@@ -291,9 +293,14 @@ PICKS = {"leaf": "pick_leaf", "state": "pick_state", "victim": "pick_victim"}
 
 
 def check_picks_against_brute_force(tree: HybridRadixTree, policy: FlopAwareEviction) -> None:
+    lru = LRUEviction()
+    lru.attach(tree)  # reads the tree's own LRU lists; needs no notifications
     for kind, pick in PICKS.items():
         candidates = brute_force_candidates(tree, kind)
         chosen = getattr(policy, pick)()
+        if policy.alpha == 0:
+            assert chosen is getattr(lru, pick)(), f"{kind}: alpha 0 is not exactly LRU"
+            continue
         if not candidates:
             assert chosen is None, f"{kind}: picked {chosen!r} without candidates"
             continue
@@ -311,23 +318,23 @@ def check_picks_against_brute_force(tree: HybridRadixTree, policy: FlopAwareEvic
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations)
-def test_alpha_zero_picks_what_lru_picks_where_the_candidate_sets_coincide(steps):
+def test_alpha_zero_is_exactly_lru_and_a_tiny_alpha_is_lru_over_marconi_candidates(steps):
+    """alpha 0 (the guard's fallback) is LRUEviction itself; a tiny alpha orders Marconi's candidates by recency."""
     tree, pools, policy = make_tree()
+    tiny_tree, tiny_pools, tiny = make_tree(alpha=1e-12)
     lru = LRUEviction()
-    lru.attach(tree)  # reads the tree's own LRU lists; needs no notifications
+    lru.attach(tree)
     for operation, key, amount in steps:
         apply(tree, pools, operation, key, amount)
-        check_picks_against_brute_force(tree, policy)
-        assert policy.pick_leaf() is lru.pick_leaf()
-        # LRU takes any unlocked state; the policy prefers nodes with at most one child.
-        free_states = [node for node in tree._iter_nodes() if node.state is not None and not node.state_lock]
-        branch_points = [node for node in free_states if len(node.children) > 1]
-        if len(branch_points) in (0, len(free_states)):
-            assert policy.pick_state() is lru.pick_state()
-        if not branch_points or not brute_force_candidates(tree, "leaf") + [
-            node for node in free_states if len(node.children) <= 1
-        ]:
-            assert policy.pick_victim() is lru.pick_victim()
+        apply(tiny_tree, tiny_pools, operation, key, amount)
+        for kind, pick in PICKS.items():
+            assert getattr(policy, pick)() is getattr(lru, pick)(), kind
+        check_picks_against_brute_force(tiny_tree, tiny)
+        for kind, pick in PICKS.items():
+            candidates = brute_force_candidates(tiny_tree, kind)
+            if candidates:
+                least_recent = min(candidates, key=lambda item: item[1])[0]
+                assert getattr(tiny, pick)() is least_recent, f"{kind}: not the least recent"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -471,7 +478,8 @@ def test_stale_heap_entries_are_compacted():
         tree.match(keys_cached[round_ % len(keys_cached)])
         if round_ % 97 == 0:
             assert policy.pick_victim() is not None  # flushes the touched states
-    # 10 members in each of 3 sets: each heap stays under 2 x live + slack (+1 for the push that triggers it).
+    # Each of the 3 sets holds 10 members in at most 10 buckets plus 3 extreme heaps, and every heap stays within
+    # 2 x live + 32 entries (+1 for the push that triggers a rebuild); 5,000 touches push over 20,000 entries.
     assert policy.heap_entries() <= 3 * (10 * (2 * 10 + 33) + 3 * (2 * 10 + 33))
     policy.check_invariants()
 

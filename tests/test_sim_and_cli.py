@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from hybrid_prefix_cache.bench.runner import RECORD_KEYS
 from hybrid_prefix_cache.bench.sim import MemoryModel, SimSettings, build_simulator
 from hybrid_prefix_cache.bench.traces import load_trace
 from hybrid_prefix_cache.cli import main
 from hybrid_prefix_cache.cost_model import load_model_spec
-from hybrid_prefix_cache.bench.runner import RECORD_KEYS
 
 SPEC = load_model_spec("paper-7b")
 GIB = 1 << 30
@@ -62,12 +62,13 @@ def test_cli_version_backends_and_bad_input(capsys):
 
 def test_cli_bench_writes_one_record_per_backend_and_size(tmp_path, capsys):
     out = tmp_path / "out.json"
-    code = main(["bench", "--cache-gb", "1,2", "--backends", "vllm-align,mamba-radix", "--json", str(out),
+    code = main(["bench", "--cache-gb", "1,2", "--backends", "vllm-align,marconi", "--json", str(out),
                  "--no-progress"])
     assert code == 0
     records = json.loads(out.read_text())
     assert [(r["backend"], r["cache_gb"]) for r in records] == [
-        ("vllm-align", 1.0), ("vllm-align", 2.0), ("mamba-radix", 1.0), ("mamba-radix", 2.0)]
+        ("vllm-align", 1.0), ("vllm-align", 2.0), ("marconi", 1.0), ("marconi", 2.0)]
+    assert all(alpha >= 0 for _, alpha in records[-1]["alpha_history"])
     for record in records:
         assert set(RECORD_KEYS) <= set(record)
     assert "token hit rate (%)" in capsys.readouterr().out

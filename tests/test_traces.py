@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+
 from hybrid_prefix_cache.bench import traces
 from hybrid_prefix_cache.bench.traces import (
     TRACE_NAMES,

@@ -29,16 +29,17 @@ TRACK_INTERVAL = 8  # --mamba-track-interval
 
 
 @contextmanager
-def sglang_config(*, page_size: int = 1, chunk: int = CHUNK, track_interval: int = TRACK_INTERVAL) -> Iterator[None]:
-    """A published dummy-model SGLang configuration with the given page size, mamba chunk and track interval."""
+def sglang_config(*, page_size: int = 1, chunk: int = CHUNK, track_interval: int = TRACK_INTERVAL) -> Iterator[Any]:
+    """Publishes a dummy-model SGLang configuration with the given page size, mamba chunk and track interval;
+    yields the published ServerArgs."""
     from sglang.srt.runtime_context import get_context
 
     override = get_context().override_server_args(
         page_size=page_size, _mamba_cache_chunk_size=max(chunk, page_size), mamba_track_interval=track_interval
     )
-    override.install()
+    published = override.install()
     try:
-        yield
+        yield published
     finally:
         override.restore()
 
@@ -416,3 +417,81 @@ def conversation_turns(rng: Any, turns: int, *, prefix: Sequence[int] = (), new:
         session.append((prompt, output))
         history = prompt + output
     return session
+
+
+class HfConfigStandIn:
+    """What the cache factory reads from ``ModelConfig.hf_config``: ``to_dict()`` (a bundled model's config)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._config = config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._config)
+
+
+def bundled_hf_config(name: str = "qwen3-next-80b-a3b") -> dict[str, Any]:
+    import json
+    from importlib import resources
+
+    return json.loads((resources.files("hybrid_prefix_cache") / "models" / f"{name}.json").read_text())
+
+
+def tree_cache_context(setup: PoolSetup, server_args: Any, *, hybrid_ssm: bool = True,
+                       hf_config: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    """A ``TreeCacheBuildContext`` as ``kv_cache_builder`` builds it, over real pools (hybrid or plain)."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    if hybrid_ssm:
+        pool, allocator = build_pools(setup)
+    else:
+        pool = ReqToTokenPool(size=setup.rows, max_context_len=setup.max_context, device="cpu",
+                              enable_memory_saver=False)
+        allocator = TokenToKVPoolAllocator(setup.kv_tokens, torch.float16, "cpu", None, False)
+    fields = {
+        "server_args": server_args,
+        "params": cache_params(setup, pool, allocator),
+        "is_hybrid_swa": False,
+        "is_hybrid_ssm": hybrid_ssm,
+        "enable_hierarchical_cache": False,
+        "disable_radix_cache": False,
+        "effective_chunked_prefill_size": 8192,
+        "tp_worker": None,
+        "model_config": SimpleNamespace(model_path="stand-in",
+                                        hf_config=HfConfigStandIn(hf_config or bundled_hf_config())),
+        "tp_size": 1,
+        "tp_rank": 0,
+        "tp_group": None,
+    }
+    fields.update(overrides)
+    return TreeCacheBuildContext(**fields)
+
+
+def build_in_scheduler_process(records: list[Any], results: Any) -> None:
+    """Target of a spawned process: what ``run_scheduler_process`` does before the scheduler builds its tree
+    cache (``load_plugins()``, ``publish(server_args, role="scheduler")``), then SGLang's ``create_tree_cache``
+    for each parsed ServerArgs record. Reports what was built on ``results``."""
+    import traceback
+
+    try:
+        from sglang.srt.mem_cache.registry import create_tree_cache, registered_radix_cache_backends
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.runtime_context import get_server_args, publish
+
+        registered_before = registered_radix_cache_backends()
+        load_plugins()
+        report = {"registered_before": registered_before, "registered": registered_radix_cache_backends(),
+                  "caches": []}
+        for server_args in records:
+            publish(server_args, role="scheduler")
+            cache = create_tree_cache(tree_cache_context(PoolSetup(), get_server_args()))
+            report["caches"].append({
+                "class": type(cache).__name__,
+                "backend": getattr(getattr(cache, "backend", None), "name", None),
+                "eviction": type(cache.tree.eviction).__name__ if hasattr(cache, "tree") else None,
+                "settings": cache.settings.to_dict() if hasattr(cache, "settings") else None,
+            })
+        results.put(report)
+    except BaseException:
+        results.put({"error": traceback.format_exc()})

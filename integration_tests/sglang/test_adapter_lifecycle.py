@@ -311,16 +311,18 @@ def test_evict_with_token_and_state_targets(config):
 
     config()
     driver = CacheDriver(PoolSetup(), ours())
-    driver.run(PROMPT, REPLY)  # states at 20 (locked by the request until it finished) and 24
+    driver.run(PROMPT, REPLY)  # states at 20 (the prefill's) and 24 (the final one)
     driver.run(list(range(600, 610)), [1, 2])  # states at 10 and 11
     cache = driver.cache
-    # Recency is the last use: the state at 20 was in use (locked) until its request finished, after the state at
-    # 24 was inserted, so 24 is the least recently used state; it sits on a leaf, which goes whole.
+    # Recency is the last use. A finishing request releases the state it held (20) before its final state (24),
+    # so the final state, the one the conversation's next turn resumes from, is the more recent. The state at 20
+    # sits on an inner node: it becomes a tombstone and its KV stays for the path to 24.
     result = cache.evict(EvictParams(mamba_num=1))
-    assert (result.mamba_num_evicted, result.num_tokens_evicted) == (1, 4)
-    assert cached_lengths(driver) == [10, 11, 20]
-    result = cache.evict_for_alloc(EvictParams(num_tokens=1))  # the least recently used leaf: [0, 20)
-    assert (result.num_tokens_evicted, result.mamba_num_evicted) == (20, 1)
+    assert (result.mamba_num_evicted, result.num_tokens_evicted) == (1, 0)
+    assert cached_lengths(driver) == [10, 11, 24]
+    # The least recently used leaf is [20, 24); the tombstone above it goes with it.
+    result = cache.evict_for_alloc(EvictParams(num_tokens=1))
+    assert (result.num_tokens_evicted, result.mamba_num_evicted) == (24, 1)
     assert cached_lengths(driver) == [10, 11]
     result = cache.evict(EvictParams(num_tokens=5, mamba_num=5))  # more than the tree holds: all of it
     assert (result.num_tokens_evicted, result.mamba_num_evicted) == (11, 2)

@@ -119,7 +119,7 @@ def _sim_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]
                     "ttft_p95_ms": result.ttft_percentile_ms(0.95),
                     "request_hit_rate": result.request_hit_rate,
                     "rejected_requests": result.rejected_requests,
-                    "alpha_history": [list(map(float, entry[:2])) for entry in result.alpha_history],
+                    "alpha_history": [[record.request_index, record.alpha] for record in result.alpha_history],
                 })
     finally:
         if bar is not None:

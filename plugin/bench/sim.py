@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -152,9 +153,10 @@ class SimSettings:
     decode_s_per_token: float = 0.02
     overlap: bool = False
     max_in_flight: int | None = None
-    tune_window: int = 300
-    tune_every: int = 300
-    alpha_grid: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+    tune_window: int = 600
+    tune_every: int = 100
+    alpha_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
+    tune_relative_margin: float = 0.01
 
 
 def prefill_seconds(spec: ModelSpec, reused: int, computed: int, settings: SimSettings) -> float:
@@ -201,8 +203,14 @@ class CacheSimulator:
         if tune:
             from hybrid_prefix_cache.policies.tuning import AlphaTuner
 
-            self.tuner = AlphaTuner(grid=settings.alpha_grid, window=settings.tune_window,
-                                    retune_every=settings.tune_every, evaluate=self._shadow_hits)
+            self._shadows = {
+                alpha: CacheSimulator(spec, memory, admission, make_eviction, settings=settings, alpha=alpha)
+                for alpha in settings.alpha_grid
+            }
+            self._shadow_window = {alpha: deque(maxlen=settings.tune_window) for alpha in settings.alpha_grid}
+            self.tuner = AlphaTuner(self._shadow_hits, grid=settings.alpha_grid, window=settings.tune_window,
+                                    retune_every=settings.tune_every,
+                                    relative_margin=settings.tune_relative_margin)
 
     # ---------------------------------------------------------------- memory
 
@@ -296,6 +304,8 @@ class CacheSimulator:
     def _admit(self, request: Request, flight: _InFlight, now: float, result: SimResult) -> float:
         """Account a started request; returns when its prefill ends."""
         if self.tuner is not None:
+            for alpha, shadow in self._shadows.items():
+                self._shadow_window[alpha].append(shadow.run([request]).reused_tokens)
             self.tuner.observe(request)
             if self.tuner.alpha != self.eviction.alpha:
                 self.eviction.alpha = self.tuner.alpha
@@ -407,10 +417,14 @@ class CacheSimulator:
     # ---------------------------------------------------------------- tuning
 
     def _shadow_hits(self, alpha: float, window: Sequence[Request]) -> float:
-        """Replay ``window`` through a fresh cache of the same size whose eviction uses ``alpha``."""
-        shadow = CacheSimulator(self.spec, self.memory, self.admission, self.make_eviction,
-                                settings=self.settings, alpha=alpha)
-        return shadow.run(list(window)).reused_tokens
+        """Token hits of the shadow cache that has used ``alpha`` since the start, over the tuning window.
+
+        Each grid alpha has a persistent shadow: a cache of the same size and policy, fed every request the live
+        cache sees. A shadow replaying the window from an empty cache misjudges a cache that has been full for a
+        long time (on ShareGPT at 10 GB it picked alphas that lost 3 points live); persistent shadows compare
+        each alpha on the cache contents it would really have produced.
+        """
+        return float(sum(self._shadow_window[alpha]))
 
 
 class UpstreamNoBufferAdmission:

@@ -14,6 +14,8 @@ Invariants (all checked by :meth:`HybridRadixTree.check_invariants`):
 - the full LRU list holds exactly the unlocked non-root nodes, every node after all of its descendants, so
   its head is always an unlocked leaf (an unlocked node's children are all unlocked and older);
 - the state LRU list holds exactly the nodes with a state and no state lock;
+- both lists are ordered by their nodes' timestamps (``last_access``, ``state_access``): releasing a lock counts
+  as a use, for the order and the timestamp alike;
 - the evictable/protected token and state counters equal the sums they stand for.
 """
 
@@ -358,11 +360,14 @@ class HybridRadixTree:
                 self.protected_states -= 1
                 self.evictable_states += 1
                 self.state_lru.push_tail(state_node.state_link)
+                state_node.state_access = next(self._clock)
+        now = next(self._clock)
         walker = node
         while walker is not self.root:
             walker.full_lock -= 1
             if walker.full_lock == 0:
                 self._on_unprotect(walker)
+                walker.last_access = now
             walker = walker.parent
         if self.eviction.observes_nodes:
             self._notify_path(node)
@@ -555,6 +560,8 @@ class HybridRadixTree:
         node.state_access = next(self._clock)
         if node.state_link.linked:
             self.state_lru.move_to_tail(node.state_link)
+        if self.eviction.observes_nodes:
+            self.eviction.node_changed(node)
 
     def _on_protect(self, node: Node) -> None:
         self.full_lru.remove(node.full_link)

@@ -96,8 +96,7 @@ class RescoringEviction:
         candidates = []
         for node in self._nodes():
             if not node.full_lock and not node.children:
-                recency = node.last_access if node.state is None else min(node.last_access, node.state_access)
-                candidates.append((node, recency))
+                candidates.append((node, min(node.last_access, node.state_access)))
             elif node.state is not None and not node.state_lock and len(node.children) <= 1:
                 candidates.append((node, node.state_access))
         return self._lowest_utility(candidates) or self.pick_state()
@@ -117,12 +116,12 @@ def _build_keys(num_leaves: int, seed: int) -> list[tuple[tuple[int, ...], list[
 def _timed(calls: int, action: Callable[[], object], settle: Callable[[], object] | None = None) -> float:
     """Mean microseconds per call of ``action``; ``settle`` runs once inside the timing, after the calls."""
     gc.collect()
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(calls):
         action()
     if settle is not None:
         settle()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (time.process_time() - start) / calls * 1e6
 
 
 def measure(policy_name: str, spec: ModelSpec, num_leaves: int, evictions: int, alpha: float, buckets: int) -> dict:
@@ -137,7 +136,7 @@ def measure(policy_name: str, spec: ModelSpec, num_leaves: int, evictions: int, 
     slots = iter(range(1 << 62))
     next_state = 0
     inserts = 0
-    start = time.perf_counter()
+    start = time.process_time()
     for prefix, leaves in groups:
         for key in (prefix, *leaves):
             first = next(slots)
@@ -146,7 +145,7 @@ def measure(policy_name: str, spec: ModelSpec, num_leaves: int, evictions: int, 
             inserts += 1
     for pick in (policy.pick_leaf, policy.pick_state, policy.pick_victim):
         pick()  # the first picks settle what the inserts left for them: that work is the inserts'
-    insert_us = (time.perf_counter() - start) / inserts * 1e6
+    insert_us = (time.process_time() - start) / inserts * 1e6
     rng = random.Random(1)
     all_leaves = [leaf for _, leaves in groups for leaf in leaves]
     # FlopAwareEviction re-reads the states a match touched at its next pick: that work is the match's.

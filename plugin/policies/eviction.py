@@ -3,11 +3,13 @@
 A candidate's utility is ``recency + alpha * flop_efficiency``, both min-max normalised over the current
 candidates; the lowest utility is evicted. ``flop_efficiency`` is the prefill FLOPs the node saves relative to
 its parent (``spec.segment_flops(node.start, node.end)``) per byte it holds (its KV, plus its state if it has
-one). ``alpha == 0`` is exactly LRU over the candidates.
+one). ``alpha == 0`` is plain LRU, exactly :class:`LRUEviction` (which it delegates to): the fallback the
+tuner's guard keeps unless a tuned alpha measurably wins.
 
 Candidates and their recency (the tree's logical clock ticks):
 
-- ``pick_leaf``: unlocked leaves, by ``last_access``.
+- ``pick_leaf``: unlocked leaves, by ``last_access``. Each holds a state: the tree drops an unlocked leaf
+  without one at once.
 - ``pick_state``: nodes with an unlocked state and at most one child (Marconi: dropping the state of a node with
   one child lets the child absorb its KV, while a branch point's state serves several paths), by
   ``state_access``. When there is none, any node with an unlocked state, so that state eviction never stalls.
@@ -32,9 +34,9 @@ import math
 from collections.abc import Iterator
 from typing import Protocol
 
-from hybrid_prefix_cache.core.tree import HybridRadixTree, Node
+from hybrid_prefix_cache.core.tree import HybridRadixTree, LRUEviction, Node
 
-DEFAULT_BUCKETS = 64
+DEFAULT_BUCKETS = 128
 DEFAULT_MAX_CONTEXT = 1 << 20
 
 # A heap is rebuilt from its live entries once it holds more than twice as many entries as live members plus
@@ -226,13 +228,13 @@ class _CandidateSet:
 class _NodeData:
     """What the policy keeps in ``node.policy_data``: its memberships and its cached efficiency."""
 
-    __slots__ = ("bucket", "efficiency", "leaf", "seen_access", "shape", "state", "victim", "wide")
+    __slots__ = ("branch_point", "bucket", "efficiency", "leaf", "seen_access", "shape", "state", "victim")
 
     def __init__(self) -> None:
         self.leaf: _Member | None = None
         self.state: _Member | None = None
         self.victim: _Member | None = None
-        self.wide: _Member | None = None
+        self.branch_point: _Member | None = None
         self.seen_access = -1
         self.shape: tuple[int, int, bool] | None = None
         self.efficiency = 0.0
@@ -279,6 +281,8 @@ class FlopAwareEviction:
             self._buckets_per_log = 0.0
         self.bucket_ratio = math.exp(1 / self._buckets_per_log) if self._buckets_per_log else math.inf
         self._tree: HybridRadixTree | None = None
+        # alpha == 0 is the guard's fallback: it must be LRU exactly, candidate sets included, so it delegates.
+        self._lru = LRUEviction()
         self._reset()
 
     @property
@@ -304,7 +308,10 @@ class FlopAwareEviction:
 
     def attach(self, tree: HybridRadixTree) -> None:
         """Start observing ``tree`` (the tree calls this again when it resets: everything is forgotten)."""
+        if self._tree is not None and self._tree is not tree:
+            raise ValueError("FlopAwareEviction: this policy already serves another tree; give each tree its own")
         self._tree = tree
+        self._lru.attach(tree)
         self._reset()
 
     def node_changed(self, node: Node) -> None:
@@ -318,24 +325,23 @@ class FlopAwareEviction:
             data.seen_access = node.last_access
             if has_state:
                 self._state_touch_suspects.add(node)
-        unlocked_leaf = not node.full_lock and not node.children
+        # An unlocked leaf without a state is about to leave the tree (it drops such leaves at once), so it is
+        # never a candidate, which spares re-filing a leaf that is being deleted.
         free_state = has_state and not node.state_lock
+        unlocked_leaf = free_state and not node.full_lock and not node.children
         narrow = free_state and len(node.children) <= 1
-        if unlocked_leaf or free_state:
+        if free_state:
             efficiency, bucket = self._efficiency(node, data)
         else:
             efficiency, bucket = 0.0, 0
         data.leaf = self._leaves.place(data.leaf, unlocked_leaf, node, node.last_access, efficiency, bucket)
         data.state = self._states.place(data.state, narrow, node, node.state_access, efficiency, bucket)
-        if unlocked_leaf:
-            victim_recency = min(node.last_access, node.state_access) if has_state else node.last_access
-        else:
-            victim_recency = node.state_access
+        victim_recency = min(node.last_access, node.state_access) if unlocked_leaf else node.state_access
         data.victim = self._victims.place(
             data.victim, unlocked_leaf or narrow, node, victim_recency, efficiency, bucket
         )
-        data.wide = self._branch_states.place(
-            data.wide, free_state and not narrow, node, node.state_access, efficiency, bucket
+        data.branch_point = self._branch_states.place(
+            data.branch_point, free_state and not narrow, node, node.state_access, efficiency, bucket
         )
 
     def node_removed(self, node: Node) -> None:
@@ -346,21 +352,27 @@ class FlopAwareEviction:
             (self._leaves, data.leaf),
             (self._states, data.state),
             (self._victims, data.victim),
-            (self._branch_states, data.wide),
+            (self._branch_states, data.branch_point),
         ):
             candidates.place(member, False, node, 0, 0.0, 0)
         node.policy_data = None
         self._state_touch_suspects.discard(node)
 
     def pick_leaf(self) -> Node | None:
+        if self._alpha == 0:
+            return self._lru.pick_leaf()
         self._refresh_state_touches()
         return self._leaves.pick(self._alpha)
 
     def pick_state(self) -> Node | None:
+        if self._alpha == 0:
+            return self._lru.pick_state()
         self._refresh_state_touches()
         return self._states.pick(self._alpha) or self._branch_states.pick(self._alpha)
 
     def pick_victim(self) -> Node | None:
+        if self._alpha == 0:
+            return self._lru.pick_victim()
         self._refresh_state_touches()
         return self._victims.pick(self._alpha) or self._branch_states.pick(self._alpha)
 
@@ -425,8 +437,7 @@ class FlopAwareEviction:
     def heap_entries(self) -> int:
         """Heap entries held over all candidate sets, stale ones included (bounded by compaction)."""
         return sum(
-            candidates.heap_entries()
-            for candidates in (self._leaves, self._states, self._victims, self._branch_states)
+            candidates.heap_entries() for candidates in (self._leaves, self._states, self._victims, self._branch_states)
         )
 
     def check_invariants(self) -> None:
@@ -435,30 +446,28 @@ class FlopAwareEviction:
         if self._tree is None:
             raise AssertionError("FlopAwareEviction is not attached to a tree")
         self._refresh_state_touches()
-        expected: dict[str, dict[int, tuple[int, float]]] = {"leaf": {}, "state": {}, "victim": {}, "wide": {}}
+        expected: dict[str, dict[int, tuple[int, float]]] = {"leaf": {}, "state": {}, "victim": {}, "branch": {}}
         stack = list(self._tree.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             efficiency = self.efficiency_of(node)
-            unlocked_leaf = not node.full_lock and not node.children
             free_state = node.state is not None and not node.state_lock
             narrow = free_state and len(node.children) <= 1
-            if unlocked_leaf:
+            if free_state and not node.full_lock and not node.children:
                 expected["leaf"][node.node_id] = (node.last_access, efficiency)
-                recency = node.last_access if node.state is None else min(node.last_access, node.state_access)
-                expected["victim"][node.node_id] = (recency, efficiency)
+                expected["victim"][node.node_id] = (min(node.last_access, node.state_access), efficiency)
             elif narrow:
                 expected["victim"][node.node_id] = (node.state_access, efficiency)
             if narrow:
                 expected["state"][node.node_id] = (node.state_access, efficiency)
             elif free_state:
-                expected["wide"][node.node_id] = (node.state_access, efficiency)
+                expected["branch"][node.node_id] = (node.state_access, efficiency)
         for name, candidates in (
             ("leaf", self._leaves),
             ("state", self._states),
             ("victim", self._victims),
-            ("wide", self._branch_states),
+            ("branch", self._branch_states),
         ):
             held = {}
             for member in candidates.members():

@@ -5,7 +5,7 @@ plain LRU by a wide margin when the workload drifts. :class:`AlphaTuner` keeps a
 requests and re-tunes every ``retune_every`` requests: the caller's ``evaluate(alpha, window)`` replays the
 window through a shadow cache with that alpha and returns its token hits. alpha 0 is plain LRU and the
 baseline: a tuned alpha replaces it only when its hits strictly exceed alpha 0's hits on the same window by
-more than ``margin``; ties go to 0, and among tuned values with equal hits the smallest wins.
+more than ``margin`` plus ``relative_margin`` times alpha 0's hits; ties go to 0, and among tuned values with equal hits the smallest wins.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class AlphaTuner(Generic[RequestT]):
         window: int = 500,
         retune_every: int = 500,
         margin: float = 0.0,
+        relative_margin: float = 0.0,
     ) -> None:
         if not callable(evaluate):
             raise TypeError(f"AlphaTuner: evaluate must be callable, got {evaluate!r}")
@@ -61,13 +62,15 @@ class AlphaTuner(Generic[RequestT]):
         for value in values:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"AlphaTuner: grid values must be finite numbers >= 0, got {value!r}")
-        if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin) or margin < 0:
-            raise ValueError(f"AlphaTuner: margin must be a finite number >= 0, got {margin!r}")
+        for name, value in (("margin", margin), ("relative_margin", relative_margin)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"AlphaTuner: {name} must be a finite number >= 0, got {value!r}")
         self.evaluate = evaluate
         self.grid: tuple[float, ...] = tuple(sorted({0.0, *(float(value) for value in values)}))
         self.window = _positive_int("window", window)
         self.retune_every = _positive_int("retune_every", retune_every)
         self.margin = float(margin)
+        self.relative_margin = float(relative_margin)
         self.history: list[TuningRecord] = []
         self.requests_seen = 0
         self._recent: deque[RequestT] = deque(maxlen=self.window)
@@ -103,7 +106,7 @@ class AlphaTuner(Generic[RequestT]):
                 raise ValueError(f"AlphaTuner: evaluate({alpha}, window) returned {result!r}, not a finite number")
             hits[alpha] = float(result)
         best = max(self.grid, key=lambda alpha: (hits[alpha], -alpha))
-        chosen = best if hits[best] > hits[0.0] + self.margin else 0.0
+        chosen = best if hits[best] > hits[0.0] * (1.0 + self.relative_margin) + self.margin else 0.0
         self._alpha = chosen
         for policy in self._bound:
             policy.alpha = chosen

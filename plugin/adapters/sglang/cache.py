@@ -31,8 +31,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,44 +66,45 @@ logger = logging.getLogger(__name__)
 class SglangPools:
     """The tree's :class:`~hybrid_prefix_cache.core.SlotAllocator` over SGLang's token allocator and state slots.
 
-    Inside :meth:`deferred` frees are collected and handed back in one call per pool: an eviction that drops
-    many nodes concatenates the free lists once instead of once per node.
+    Inside ``with pools:`` frees are collected and handed back in one call per pool when the outermost block
+    ends: an eviction that drops many nodes concatenates the allocators' free lists once instead of once per node.
+    Only whole-page segments may be collected (a concatenation must stay page-grouped), which tree edges are.
     """
 
     def __init__(self, kv_allocator: Any, state_allocator: Any) -> None:
         self.kv_allocator = kv_allocator
         self.state_allocator = state_allocator
-        self._kv: list[torch.Tensor] | None = None
-        self._states: list[torch.Tensor] | None = None
+        self._depth = 0
+        self._kv: list[torch.Tensor] = []
+        self._states: list[torch.Tensor] = []
 
     def free_kv(self, kv: torch.Tensor) -> None:
-        if self._kv is not None:
+        if self._depth:
             self._kv.append(kv)
         elif len(kv):
             # Tree edges are whole pages, so a segment is page-aligned wherever it sits in the sequence.
             self.kv_allocator.free_segment(kv, start_pos=0)
 
     def free_state(self, state: torch.Tensor) -> None:
-        if self._states is not None:
+        if self._depth:
             self._states.append(state)
         else:
             self.state_allocator.free(state)
 
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        if self._kv is not None:
-            yield
+    def __enter__(self) -> SglangPools:
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth:
             return
+        kv, states = self._kv, self._states
         self._kv, self._states = [], []
-        try:
-            yield
-        finally:
-            kv, states = self._kv, self._states
-            self._kv = self._states = None
-            if kv:
-                self.free_kv(kv[0] if len(kv) == 1 else torch.cat(kv))
-            if states:
-                self.state_allocator.free(states[0] if len(states) == 1 else torch.cat(states))
+        if kv:
+            self.free_kv(kv[0] if len(kv) == 1 else torch.cat(kv))
+        if states:
+            self.state_allocator.free(states[0] if len(states) == 1 else torch.cat(states))
 
 
 def _namespace(extra_key: Any, cache_salt: Any) -> Any:
@@ -174,6 +175,10 @@ class HybridPrefixCache(BasePrefixCache):
                 page_size=self.page_size,
                 state_chunk_size=chunk,
             )
+        # Each request's tokens as one tuple, extended as it grows: the tree keys on tuples, and converting a
+        # request's token array again for every match and insert would dominate their cost. Keyed weakly by the
+        # request, so that requests that never finish (aborted in the queue) leave nothing behind.
+        self._request_tokens: weakref.WeakKeyDictionary[Req, tuple[int, ...]] = weakref.WeakKeyDictionary()
         self._receipts = itertools.count(1)
         self._locks: dict[int, PathLock] = {}
         self._node_receipts: dict[Node, list[int]] = {}
@@ -240,11 +245,13 @@ class HybridPrefixCache(BasePrefixCache):
                                best_match_node=root)
         # Only the admission match (the one that copies the state) counts in the hit statistics; the scheduler's
         # look-ahead matches for cache-aware ordering do not.
-        found = self.tree.match(key.raw_token_ids(), _namespace(key.extra_key, key.cache_salt),
-                                record=params.cow_mamba)
+        req = params.req
+        own_tokens = req is not None and key.token_ids is req.full_untruncated_fill_ids and not req.finished()
+        tokens = self._tokens(req, len(key)) if own_tokens else tuple(key.raw_token_ids().tolist())
+        found = self.tree.match(tokens, _namespace(key.extra_key, key.cache_salt), record=params.cow_mamba)
         state_node = found.state_node
         if params.cow_mamba and state_node.state is not None:
-            self._stage_copy_on_write(params.req, state_node)
+            self._stage_copy_on_write(req, state_node)
         device_indices = torch.cat(found.kv) if found.kv else self._empty
         return MatchResult(
             device_indices=device_indices,
@@ -280,6 +287,18 @@ class HybridPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ insert paths
 
+    def _tokens(self, req: Req, length: int) -> tuple[int, ...]:
+        """``(req.origin_input_ids + req.output_ids)[:length]`` as a tuple, converting each token once."""
+        known = self._request_tokens.get(req, ())
+        if len(known) < length:
+            origin = req.origin_input_ids
+            if len(known) < len(origin):
+                known += tuple(origin[len(known) : length].tolist())
+            if length > len(origin):
+                known += tuple(req.output_ids[len(known) - len(origin) : length - len(origin)])
+            self._request_tokens[req] = known
+        return known if len(known) == length else known[:length]
+
     def _request_row(self, req: Req, length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :length]
 
@@ -300,8 +319,7 @@ class HybridPrefixCache(BasePrefixCache):
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False, **kwargs: Any) -> None:
         """After a prefill chunk or a whole prefill: insert the prefill state when the policy admits it."""
-        token_ids = req.get_fill_ids()
-        fill_len = len(token_ids)
+        fill_len = req.extend_range.end
         state_len = req.kv.mamba_last_track_seqlen if self.enable_mamba_extra_buffer else fill_len
         if state_len is None or not self._prefill_state_admitted(req, state_len, fill_len):
             # The request keeps its KV; the next chunk continues from all of it.
@@ -321,19 +339,21 @@ class HybridPrefixCache(BasePrefixCache):
         row = self._request_row(req, fill_len)
         protected = req.kv.cache_protected_len
         kv = row[:state_len].to(dtype=torch.int64, copy=True)
-        result = self.tree.insert(token_ids[:state_len], kv, state, _namespace(req.extra_key, req.cache_salt),
+        result = self.tree.insert(self._tokens(req, state_len), kv, state, _namespace(req.extra_key, req.cache_salt),
                                   lock=True)
         if not result.state_taken:
             pool.mamba_allocator.free(state)
-        self._free_duplicates(kv, protected, result.prefix_len)
-
-        new_indices = torch.cat(self.tree.path_kv(result.node))
-        pool.write((req.kv.req_pool_idx, slice(protected, len(new_indices))), new_indices[protected:])
+        if result.prefix_len > protected:
+            # Another request cached [protected, prefix_len) meanwhile: the request switches to the tree's KV
+            # there and frees its own copy. Beyond prefix_len the tree took the request's own slots.
+            tree_kv = torch.cat(self.tree.path_kv(result.node))[protected : result.prefix_len]
+            pool.write((req.kv.req_pool_idx, slice(protected, result.prefix_len)), tree_kv)
+            self.pools.free_kv(kv[protected : result.prefix_len])
         self._release_request_lock(req)
         req.last_node = result.node
         req.lock_receipt = self._register_lock(result.lock).to_dec_params()
-        req.prefix_indices = torch.cat([new_indices, row[len(new_indices):].to(torch.int64)])
-        req.kv.cache_protected_len = len(new_indices)
+        req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+        req.kv.cache_protected_len = result.inserted_len
         req.kv.mamba_last_track_seqlen = None
 
     def cache_finished_req(self, req: Req, is_insert: bool = True, *, kv_len_to_handle: int, **kwargs: Any) -> None:
@@ -344,22 +364,21 @@ class HybridPrefixCache(BasePrefixCache):
         row = self._request_row(req, kv_len_to_handle)
         keep_track_slot: int | None = None
         donated_live_slot = False
-        final_lock: PathLock | None = None
         state_len = self._final_state_len(req, kv_len_to_handle) if is_insert else 0
-        with self.pools.deferred():
+        # Released first so that the final state, inserted next, ends up more recent than the state the request
+        # held: the next turn of a conversation resumes from the final one. Nothing can be evicted in between,
+        # and the node the lock held keeps its state (a state-locked node never loses it), so its path stays.
+        self._release_request_lock(req)
+        with self.pools:
             if state_len > protected:
                 if self.enable_mamba_extra_buffer:
                     keep_track_slot = pool.get_mamba_ping_pong_keep_idx(req)
                     state = req.kv.mamba_ping_pong_track_buffer[keep_track_slot].unsqueeze(-1).clone()
                 else:
                     state = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
-                token_ids = (req.origin_input_ids + req.output_ids)[:state_len]
+                token_ids = self._tokens(req, state_len)
                 kv = row[:state_len].to(dtype=torch.int64, copy=True)
-                # Locked until the request's own lock is released, so that the final state ends up more recent
-                # than the state the request resumed from: the next turn of a conversation needs the final one.
-                result = self.tree.insert(token_ids, kv, state, _namespace(req.extra_key, req.cache_salt),
-                                          lock=True)
-                final_lock = result.lock
+                result = self.tree.insert(token_ids, kv, state, _namespace(req.extra_key, req.cache_salt))
                 self._free_duplicates(kv, protected, result.prefix_len)
                 owned_from = max(result.inserted_len, protected)
                 if result.state_taken:
@@ -369,6 +388,7 @@ class HybridPrefixCache(BasePrefixCache):
             else:
                 owned_from = protected
             self._free_kv_range(row, owned_from, kv_len_to_handle)
+        self._request_tokens.pop(req, None)
         if is_insert and self.tuning is not None:
             self.tuning.observe(req.origin_input_ids, req.output_ids)
         if donated_live_slot:
@@ -376,9 +396,6 @@ class HybridPrefixCache(BasePrefixCache):
             req.kv.mamba_pool_idx = None
         elif req.kv.holds_mamba:
             pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=keep_track_slot)
-        self._release_request_lock(req)
-        if final_lock is not None:
-            self.tree.unlock(final_lock)
 
     def _final_state_len(self, req: Req, kv_len: int) -> int:
         """Length of the state a finished request can leave: 0 when the policy keeps none."""
@@ -457,7 +474,7 @@ class HybridPrefixCache(BasePrefixCache):
         """Free ``num_tokens`` KV slots (unlocked leaves, LRU or the backend's order) and ``mamba_num`` states."""
         started = time.perf_counter()
         tokens = states = 0
-        with self.pools.deferred():
+        with self.pools:
             if params.num_tokens > 0:
                 freed = self.tree.evict_tokens(params.num_tokens)
                 tokens, states = tokens + freed.tokens, states + freed.states
@@ -534,7 +551,7 @@ class HybridPrefixCache(BasePrefixCache):
         """Drop every cached entry (SGLang calls this on an idle server's flush_cache)."""
         if self._locks:
             raise TreeError(f"reset: {len(self._locks)} locks are still held by requests")
-        with self.pools.deferred():
+        with self.pools:
             self.tree.reset()
 
     @property

@@ -3,26 +3,27 @@
 vLLM keeps every cached block of a hybrid model in one pool: full-attention (FA) blocks, one per FA group and
 ``block_size`` tokens, and recurrent-state blocks, one per Mamba group for the state after a block boundary.
 A hit of ``n`` blocks needs the FA blocks of all ``n`` boundaries in every FA group and the state at boundary
-``n`` in every Mamba group. :class:`BlockCacheIndex` tracks the free cached blocks with that structure and
-picks victims the way Marconi evicts nodes of its radix tree:
+``n`` in every Mamba group; vLLM finds blocks by key (a hash of the whole prefix), so when two requests
+computed the same block, either copy serves.
 
-1. Dead blocks first, oldest first: an FA block that no cached FA block continues (a leaf) and that has no
-   complete state at its boundary, or a state block that cannot serve a hit (another Mamba group lost its
-   block at that boundary, or an FA group has no block there). Nothing can hit them.
-2. Then states, by Marconi's utility ``recency + alpha * efficiency`` (min-max normalised; lowest first), using
-   the FLOP-aware policy's candidate sets (:class:`~hybrid_prefix_cache.policies.eviction.FlopAwareEviction`).
-   A state is a node of Marconi's tree: its efficiency is the prefill FLOPs from its parent state to its
-   boundary per byte the node holds (its state blocks plus the FA blocks since the parent). States whose
-   boundary FA block has at most one cached child come first (Marconi's candidates: dropping the state of a
-   node with one child lets the child absorb its KV); branch-point states only when no other state is free.
-3. An FA leaf with a complete state at its boundary is never picked: its state goes first, which turns the
-   leaf dead, so a leaf node loses its state and then its KV, tail first, up to the next state or branch point.
-   FA blocks that cached FA blocks continue are never picked: a missing FA block would orphan every deeper one.
+:class:`BlockCacheIndex` tracks the free cached blocks and picks the one of lowest Marconi utility
+``recency + alpha * efficiency``, both min-max normalised over the free cached blocks (the FLOP-aware policy's
+candidate set, :class:`~hybrid_prefix_cache.policies.eviction.FlopAwareEviction`):
 
-``alpha == 0`` orders the states by release time alone, which is vLLM's LRU order (vLLM releases a finished
-request's blocks tail first, and a hit removes blocks from the free set until they are released again).
+- Recency is a release counter, so with ``alpha == 0`` the order is exactly vLLM's LRU (vLLM releases a finished
+  request's blocks tail first, and a hit takes blocks out of the free set until they are released again). The
+  alpha tuner's guard relies on this: alpha 0 is the LRU baseline.
+- Efficiency is Marconi's, per node of its tree: a node is a cached state plus the FA blocks since its parent
+  state (the state the request resumed from, or the last one it kept), and all its blocks carry the prefill
+  FLOPs from the parent to the state per byte the node holds (:meth:`BlockCosts.node_efficiency`).
+- A block no hit can use (*dead*) has efficiency 0: a redundant copy of a key that another block of its group
+  holds; an FA block that no cached FA block continues and that has no complete state at its boundary; a
+  state block whose boundary lacks a block of some Mamba or FA group. FA blocks covered by no state score 0.
 
-Recency is a release counter. Each operation costs O(G + log n) for G KV-cache groups, a pick O(buckets + log n).
+Eviction is per block, as vLLM frees memory, rather than Marconi's per node, and node efficiencies are fixed
+when the request that cached the node finishes (Marconi recomputes a child's when its parent's state is
+evicted). Each operation costs O(G) for G KV-cache groups plus O(log n) heap work; a pick
+O(buckets + log n).
 
 :class:`ShadowCache` replays :class:`RequestRecord` windows through a fresh index for
 :class:`~hybrid_prefix_cache.policies.tuning.AlphaTuner` (see its docstring for what it models).
@@ -39,6 +40,8 @@ from hybrid_prefix_cache.policies.eviction import DEFAULT_BUCKETS, FlopAwareEvic
 
 FA = "fa"
 STATE = "state"
+DEAD = "dead"
+SCORED = "scored"
 
 
 class CostModel(Protocol):
@@ -81,9 +84,9 @@ class BlockCosts:
     def segment_flops(self, start: int, end: int) -> float:
         return self.model.segment_flops(start, end)
 
-    def state_efficiency(self, parent_end: int, end: int) -> float:
-        """FLOPs saved from the parent state to ``end`` per byte of the node (state + FA blocks since parent)."""
-        parent_end = min(parent_end, end)
+    def node_efficiency(self, parent_end: int, end: int) -> float:
+        """FLOPs from the parent state to ``end`` per byte of the node: its state and the FA blocks since."""
+        parent_end = min(max(parent_end, 0), end)
         held = self.state_bytes + (end - parent_end) * self.num_fa_groups * self.block_bytes // self.block_size
         return self.model.segment_flops(parent_end, end) / max(held, 1)
 
@@ -91,49 +94,28 @@ class BlockCosts:
 class _Slot:
     """Side-table entry of one block id (vLLM's ``KVCacheBlock`` has ``__slots__``: no room for ours)."""
 
-    __slots__ = (
-        "candidate",
-        "children",
-        "efficiency",
-        "end",
-        "free",
-        "generation",
-        "group",
-        "key",
-        "kind",
-        "member",
-        "parent",
-        "parent_generation",
-        "recency",
-    )
+    __slots__ = ("candidate", "efficiency", "free", "group", "key", "kind", "member", "recency")
 
     def __init__(self) -> None:
         self.kind: str | None = None
         self.group = -1
         self.key: Hashable = None
-        self.end = 0
-        self.parent = -1
-        self.parent_generation = -1
-        self.children = 0
         self.free = False
         self.recency = 0
         self.efficiency = 0.0
         self.candidate: str | None = None
         self.member = None
-        self.generation = 0
 
 
 class _Position:
-    """The cached blocks of one boundary, by group."""
+    """The cached blocks of one boundary, by group (several blocks of a group are identical copies)."""
 
-    __slots__ = ("fa", "states")
+    __slots__ = ("efficiency", "fa", "states")
 
     def __init__(self) -> None:
         self.fa: dict[int, list[int]] = {}
         self.states: dict[int, list[int]] = {}
-
-
-DEAD, NARROW, BRANCH = "dead", "narrow", "branch"
+        self.efficiency = 0.0
 
 
 class BlockCacheIndex:
@@ -141,9 +123,9 @@ class BlockCacheIndex:
 
     Block ids are ``0 .. num_blocks - 1``; ``fa_groups`` and ``state_groups`` are the KV-cache group ids of
     each kind. The engine reports every change: :meth:`admit` (a block got its prefix-cache key),
-    :meth:`link_parent` (an FA block continues another), :meth:`set_parent_end` (a state's parent state),
-    :meth:`drop` (a block lost its key), :meth:`release` (reference count reached 0) and :meth:`acquire`
-    (a free block was hit or handed out).
+    :meth:`link_parent` (an FA block continues another), :meth:`assign_node` (a finished request's state and
+    the FA boundaries since its parent), :meth:`drop` (a block lost its key), :meth:`release` (its reference
+    count reached 0) and :meth:`acquire` (a free block was hit or handed out).
     """
 
     def __init__(
@@ -165,17 +147,19 @@ class BlockCacheIndex:
         self.fa_groups = tuple(fa_groups)
         self.state_groups = tuple(state_groups)
         self.costs = costs
-        # Only its buckets and alpha validation are used: the candidate sets live here.
+        # Only its buckets and alpha validation are used: the candidate set lives here.
         self._policy = FlopAwareEviction(costs, alpha=alpha, buckets=buckets)
         self._slots = [_Slot() for _ in range(num_blocks)]
-        self._positions: dict[Hashable, _Position] = {}
         self._ticks = itertools.count(1)
-        self._reset_candidates()
+        self._reset_keys()
 
-    def _reset_candidates(self) -> None:
-        self._dead: dict[int, None] = {}
-        self._narrow = _CandidateSet()
-        self._branch = _CandidateSet()
+    def _reset_keys(self) -> None:
+        self._positions: dict[Hashable, _Position] = {}
+        # The chain is a property of the keys (a key hashes its parent's), so it is kept per key: a key's
+        # parent while the key is cached, and the child keys that have an FA block cached.
+        self._parent_of: dict[Hashable, Hashable] = {}
+        self._children: dict[Hashable, set[Hashable]] = {}
+        self._candidates = _CandidateSet()
 
     @property
     def alpha(self) -> float:
@@ -191,8 +175,8 @@ class BlockCacheIndex:
 
     # ------------------------------------------------------------------ engine events
 
-    def admit(self, block_id: int, key: Hashable, group: int, end: int) -> None:
-        """Block ``block_id`` of KV-cache group ``group`` now caches the boundary ``key`` (``end`` tokens)."""
+    def admit(self, block_id: int, key: Hashable, group: int) -> None:
+        """Block ``block_id`` of KV-cache group ``group`` now caches the boundary ``key``."""
         slot = self._slots[block_id]
         if slot.kind is not None:
             self.drop(block_id)
@@ -202,32 +186,36 @@ class BlockCacheIndex:
             kind = FA
         else:
             raise ValueError(f"BlockCacheIndex: group {group} is neither an FA nor a state group")
-        slot.kind, slot.group, slot.key, slot.end = kind, group, key, end
-        slot.parent, slot.parent_generation, slot.children = -1, -1, 0
-        if kind == STATE:
-            slot.efficiency = self.costs.state_efficiency(0, end)
         position = self._positions.get(key)
         if position is None:
             position = self._positions[key] = _Position()
+        slot.kind, slot.group, slot.key, slot.efficiency = kind, group, key, position.efficiency
+        had_fa = bool(position.fa)
         (position.states if kind == STATE else position.fa).setdefault(group, []).append(block_id)
-        self._refresh_position(key)
+        if kind == FA and not had_fa:
+            self._fa_appeared(key)
+        self._refresh(key)
 
     def link_parent(self, block_id: int, parent_id: int) -> None:
         """FA block ``block_id`` continues FA block ``parent_id`` (the previous block of the same chain)."""
         slot, parent = self._slots[block_id], self._slots[parent_id]
-        if slot.kind != FA or parent.kind != FA or slot.parent >= 0:
+        if slot.kind != FA or parent.kind != FA or slot.key in self._parent_of:
             return
-        slot.parent, slot.parent_generation = parent_id, parent.generation
-        parent.children += 1
-        self._refresh_position(parent.key)
+        self._parent_of[slot.key] = parent.key
+        self._fa_appeared(slot.key)
 
-    def set_parent_end(self, block_id: int, parent_end: int) -> None:
-        """State block ``block_id``'s node starts after the state at ``parent_end`` tokens."""
-        slot = self._slots[block_id]
-        if slot.kind != STATE:
-            return
-        slot.efficiency = self.costs.state_efficiency(parent_end, slot.end)
-        self._classify(block_id)
+    def assign_node(self, keys: Sequence[Hashable], efficiency: float) -> None:
+        """The boundaries ``keys`` (a state's and those of the FA blocks since its parent) form one node of
+        Marconi's tree with this ``efficiency``; their cached blocks take it."""
+        for key in keys:
+            position = self._positions.get(key)
+            if position is None or position.efficiency == efficiency:
+                continue
+            position.efficiency = efficiency
+            for blocks in (*position.fa.values(), *position.states.values()):
+                for block_id in blocks:
+                    self._slots[block_id].efficiency = efficiency
+            self._refresh(key)
 
     def drop(self, block_id: int) -> None:
         """Block ``block_id`` lost its key (evicted, overwritten, or un-cached by the admission policy)."""
@@ -235,59 +223,53 @@ class BlockCacheIndex:
         if slot.kind is None:
             return
         self._unplace(block_id)
-        key = slot.key
+        key, kind = slot.key, slot.kind
         position = self._positions[key]
-        group_blocks = (position.states if slot.kind == STATE else position.fa)[slot.group]
-        group_blocks.remove(block_id)
-        if not group_blocks:
-            del (position.states if slot.kind == STATE else position.fa)[slot.group]
+        by_group = position.states if kind == STATE else position.fa
+        by_group[slot.group].remove(block_id)
+        if not by_group[slot.group]:
+            del by_group[slot.group]
+        slot.kind, slot.key, slot.group, slot.efficiency = None, None, -1, 0.0
+        if kind == FA and not position.fa:
+            parent_key = self._parent_of.get(key)
+            siblings = self._children.get(parent_key) if parent_key is not None else None
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[parent_key]
+                self._refresh(parent_key)
         if not position.fa and not position.states:
             del self._positions[key]
-        parent_key = None
-        if slot.parent >= 0:
-            parent = self._slots[slot.parent]
-            if parent.generation == slot.parent_generation and parent.kind == FA:
-                parent.children -= 1
-                parent_key = parent.key
-        slot.kind, slot.key, slot.group, slot.parent, slot.children = None, None, -1, -1, 0
-        slot.generation += 1
-        if key in self._positions:
-            self._refresh_position(key)
-        if parent_key is not None:
-            self._refresh_position(parent_key)
+            self._parent_of.pop(key, None)
+        else:
+            self._refresh(key)
 
     def release(self, block_id: int) -> None:
         """Block ``block_id``'s reference count reached 0: it is free, most recently used."""
         slot = self._slots[block_id]
         slot.free = True
         slot.recency = next(self._ticks)
-        self._classify(block_id)
+        self._refresh_copies(block_id)
 
     def acquire(self, block_id: int) -> None:
         """Free block ``block_id`` is in use again (hit, or handed out for new content)."""
         slot = self._slots[block_id]
         slot.free = False
         self._unplace(block_id)
+        self._refresh_copies(block_id)
 
     def reset(self) -> None:
         """Every key is gone (vLLM's ``reset_prefix_cache``); free/in-use status is kept."""
         for slot in self._slots:
-            slot.kind, slot.key, slot.group, slot.parent, slot.children = None, None, -1, -1, 0
+            slot.kind, slot.key, slot.group, slot.efficiency = None, None, -1, 0.0
             slot.candidate, slot.member = None, None
-            slot.generation += 1
-        self._positions.clear()
-        self._reset_candidates()
+        self._reset_keys()
 
-    # ------------------------------------------------------------------ picks
+    # ------------------------------------------------------------------ picks and inspection
 
     def pick_victim(self) -> int | None:
-        """The free cached block to overwrite next, or None when no free block is a candidate."""
-        if self._dead:
-            return next(iter(self._dead))
-        node = self._narrow.pick(self.alpha)
-        if node is None:
-            node = self._branch.pick(self.alpha)
-        return node
+        """The free cached block to overwrite next, or None when no free block is cached."""
+        return self._candidates.pick(self.alpha)
 
     def is_cached(self, block_id: int) -> bool:
         return self._slots[block_id].kind is not None
@@ -296,24 +278,28 @@ class BlockCacheIndex:
         return self._slots[block_id].free
 
     def candidate_of(self, block_id: int) -> str | None:
-        """``dead``, ``narrow``, ``branch`` or None (not evictable now), for tests and reports."""
+        """``dead``, ``scored`` or None (in use or not cached)."""
         return self._slots[block_id].candidate
 
-    def state_efficiency(self, block_id: int) -> float:
+    def efficiency_of(self, block_id: int) -> float:
         return self._slots[block_id].efficiency
 
     def num_candidates(self) -> int:
-        return len(self._dead) + self._narrow.size + self._branch.size
+        return self._candidates.size
 
     # ------------------------------------------------------------------ classification
 
-    def _state_complete(self, position: _Position) -> bool:
-        return len(position.states) == len(self.state_groups)
+    def _fa_appeared(self, key: Hashable) -> None:
+        parent_key = self._parent_of.get(key)
+        position = self._positions.get(key)
+        if parent_key is None or position is None or not position.fa:
+            return
+        children = self._children.setdefault(parent_key, set())
+        if key not in children:
+            children.add(key)
+            self._refresh(parent_key)
 
-    def _fa_complete(self, position: _Position) -> bool:
-        return len(position.fa) == len(self.fa_groups)
-
-    def _refresh_position(self, key: Hashable) -> None:
+    def _refresh(self, key: Hashable) -> None:
         position = self._positions.get(key)
         if position is None:
             return
@@ -321,42 +307,50 @@ class BlockCacheIndex:
             for block_id in blocks:
                 self._classify(block_id)
 
+    def _refresh_copies(self, block_id: int) -> None:
+        """A block's free/in-use change reclassifies it and the other copies of its group (the kept one moves)."""
+        slot = self._slots[block_id]
+        if slot.kind is None:
+            return
+        position = self._positions[slot.key]
+        for copy in (position.states if slot.kind == STATE else position.fa)[slot.group]:
+            self._classify(copy)
+
+    def _kept_copy(self, copies: list[int]) -> int:
+        for block_id in copies:
+            if not self._slots[block_id].free:
+                return block_id
+        return copies[0]
+
     def _wanted(self, block_id: int) -> str | None:
         slot = self._slots[block_id]
         if not slot.free or slot.kind is None:
             return None
         position = self._positions[slot.key]
+        copies = (position.states if slot.kind == STATE else position.fa)[slot.group]
+        if len(copies) > 1 and self._kept_copy(copies) != block_id:
+            return DEAD
+        state_complete = len(position.states) == len(self.state_groups)
         if slot.kind == FA:
-            if slot.children > 0 or self._state_complete(position):
-                return None
-            return DEAD
-        if not self._state_complete(position) or not self._fa_complete(position):
-            return DEAD
-        children = max((self._slots[fa].children for blocks in position.fa.values() for fa in blocks), default=0)
-        return NARROW if children <= 1 else BRANCH
+            return SCORED if self._children.get(slot.key) or state_complete else DEAD
+        return SCORED if state_complete and len(position.fa) == len(self.fa_groups) else DEAD
 
     def _classify(self, block_id: int) -> None:
         wanted = self._wanted(block_id)
         slot = self._slots[block_id]
-        if wanted != slot.candidate:
-            self._unplace(block_id)
         if wanted is None:
+            self._unplace(block_id)
             return
-        if wanted == DEAD:
-            self._dead[block_id] = None
-        else:
-            candidates = self._narrow if wanted == NARROW else self._branch
-            bucket = self._policy.bucket_of(slot.efficiency)
-            slot.member = candidates.place(slot.member, True, block_id, slot.recency, slot.efficiency, bucket)
+        # A block no hit can use saves nothing.
+        efficiency = slot.efficiency if wanted == SCORED else 0.0
+        bucket = self._policy.bucket_of(efficiency)
+        slot.member = self._candidates.place(slot.member, True, block_id, slot.recency, efficiency, bucket)
         slot.candidate = wanted
 
     def _unplace(self, block_id: int) -> None:
         slot = self._slots[block_id]
-        if slot.candidate == DEAD:
-            del self._dead[block_id]
-        elif slot.candidate is not None:
-            candidates = self._narrow if slot.candidate == NARROW else self._branch
-            candidates.place(slot.member, False, block_id, 0, 0.0, 0)
+        if slot.candidate is not None:
+            self._candidates.place(slot.member, False, block_id, 0, 0.0, 0)
         slot.candidate, slot.member = None, None
 
 
@@ -374,15 +368,22 @@ class RequestRecord:
     states: tuple[tuple[int, int], ...]
 
 
+def node_keys(keys: Sequence[Hashable], position: int, parent_end: int, block_size: int) -> Sequence[Hashable]:
+    """The boundaries of the node whose state is at block ``position`` and whose parent state ends at
+    ``parent_end`` tokens: the FA blocks after the parent up to and including the state's boundary."""
+    return keys[parent_end // block_size : position + 1]
+
+
 class ShadowCache:
     """A model of vLLM's hybrid prefix cache over abstract blocks, evicting through a :class:`BlockCacheIndex`.
 
     It replays recorded requests one at a time from an empty cache of ``num_blocks`` blocks: a lookup hits the
     longest run of FA blocks (every FA group) capped at ``max_hit_blocks``, cut back to the deepest complete
     state in it, as vLLM's hybrid coordinator does; the request then holds its hit, caches its other FA blocks
-    and its recorded states, allocating (and evicting) as needed, and releases everything tail first. It does
-    not model requests running concurrently (they only hold blocks longer), the running state a request
-    computes in (one block per Mamba group) or states it cached and dropped before finishing.
+    and its recorded states, allocating (and evicting) as needed, and releases them as vLLM does: states first
+    (vLLM frees a state block once decoding moved past it), then the FA blocks tail first. It does not model
+    requests running concurrently (they only hold blocks longer), the running state a request computes in (one
+    block per Mamba group) or states it cached and dropped before finishing.
     """
 
     def __init__(self, index: BlockCacheIndex, block_size: int) -> None:
@@ -405,35 +406,37 @@ class ShadowCache:
             if all((keys[blocks - 1], group) in self._by_key for group in state_groups):
                 hit = blocks
                 break
-        held: list[int] = []
+        fa_held: list[int] = []
+        state_held: list[int] = []
         for position in range(hit):
             for group in fa_groups:
-                held.append(self._take(self._by_key[(keys[position], group)]))
+                fa_held.append(self._take(self._by_key[(keys[position], group)]))
         if hit:
             for group in state_groups:
-                held.append(self._take(self._by_key[(keys[hit - 1], group)]))
-        previous = {group: (held[(hit - 1) * len(fa_groups) + n] if hit else -1) for n, group in enumerate(fa_groups)}
-        complete = True
+                state_held.append(self._take(self._by_key[(keys[hit - 1], group)]))
+        previous = {group: fa_held[(hit - 1) * len(fa_groups) + n] if hit else -1 for n, group in enumerate(fa_groups)}
+        cached_blocks = hit
         for position in range(hit, len(keys)):
             for group in fa_groups:
-                block_id = self._cache(keys[position], group, (position + 1) * self.block_size, held)
+                block_id = self._cache(keys[position], group, fa_held)
                 if block_id is None:
-                    complete = False
                     break
                 if previous[group] >= 0:
                     self.index.link_parent(block_id, previous[group])
                 previous[group] = block_id
-            if not complete:
-                break
-        for position, parent_end in record.states:
-            if not complete or position < hit or position >= len(keys):
+            else:
+                cached_blocks = position + 1
                 continue
-            for group in state_groups:
-                block_id = self._cache(keys[position], group, (position + 1) * self.block_size, held)
-                if block_id is None:
-                    break
-                self.index.set_parent_end(block_id, parent_end)
-        for block_id in reversed(held):
+            break
+        for position, _ in record.states:
+            if hit <= position < cached_blocks:
+                for group in state_groups:
+                    if self._cache(keys[position], group, state_held) is None:
+                        break
+        for position, parent_end in record.states:
+            efficiency = self.index.costs.node_efficiency(parent_end, (position + 1) * self.block_size)
+            self.index.assign_node(node_keys(keys, position, parent_end, self.block_size), efficiency)
+        for block_id in (*state_held, *reversed(fa_held)):
             self.index.release(block_id)
         return hit * self.block_size
 
@@ -441,7 +444,7 @@ class ShadowCache:
         self.index.acquire(block_id)
         return block_id
 
-    def _cache(self, key: Hashable, group: int, end: int, held: list[int]) -> int | None:
+    def _cache(self, key: Hashable, group: int, held: list[int]) -> int | None:
         existing = self._by_key.get((key, group))
         if existing is not None:
             # Requests replay one at a time, so a block in use is already this request's.
@@ -454,7 +457,7 @@ class ShadowCache:
             return None
         self._by_key[(key, group)] = block_id
         self._owner[block_id] = (key, group)
-        self.index.admit(block_id, key, group, end)
+        self.index.admit(block_id, key, group)
         held.append(block_id)
         return block_id
 

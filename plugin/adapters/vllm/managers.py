@@ -29,7 +29,6 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-from hybrid_prefix_cache.adapters.vllm.block_index import RequestRecord
 from hybrid_prefix_cache.adapters.vllm.pool import HybridBlockPool
 from hybrid_prefix_cache.adapters.vllm.settings import BackendSettings
 
@@ -117,8 +116,6 @@ class AdmissionMambaManager(MambaManager):
 
     def _admitted(self, chain: _Chain, position: int, block: KVCacheBlock) -> None:
         end = (position + 1) * self.block_size
-        if isinstance(self.block_pool, HybridBlockPool):
-            self.block_pool.set_state_parent(block, chain.parent_end)
         if self.settings.admission != "marconi" or end == chain.junction_end:
             chain.states.append((position, chain.parent_end))
             chain.parent_end = end
@@ -135,20 +132,16 @@ class AdmissionMambaManager(MambaManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         chain = self._chains.pop(request_id, None)
-        if chain is not None and self.reports_requests and chain.request.is_finished():
-            self._report(chain)
-        return super().pop_blocks_for_free(request_id)
-
-    def _report(self, chain: _Chain) -> None:
         pool = self.block_pool
-        if not isinstance(pool, HybridBlockPool) or pool.tuner is None:
-            return
-        request = chain.request
-        hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, self.block_size)
-        count = min(len(hashes), request.num_computed_tokens // self.block_size)
-        record = RequestRecord(
-            keys=tuple(hashes[position] for position in range(count)),
-            max_hit_blocks=max(0, request.num_prompt_tokens - 1) // self.block_size,
-            states=tuple(chain.states),
-        )
-        pool.observe_request(record)
+        scored = isinstance(pool, HybridBlockPool) and pool.index is not None
+        if chain is not None and self.reports_requests and scored:
+            request = chain.request
+            hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, self.block_size)
+            count = min(len(hashes), request.num_computed_tokens // self.block_size)
+            pool.finish_request(
+                [hashes[position] for position in range(count)],
+                chain.states,
+                max(0, request.num_prompt_tokens - 1) // self.block_size,
+                finished=request.is_finished(),
+            )
+        return super().pop_blocks_for_free(request_id)

@@ -33,7 +33,13 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
-from hybrid_prefix_cache.adapters.vllm.block_index import BlockCacheIndex, BlockCosts, RequestRecord, shadow_hits
+from hybrid_prefix_cache.adapters.vllm.block_index import (
+    BlockCacheIndex,
+    BlockCosts,
+    RequestRecord,
+    node_keys,
+    shadow_hits,
+)
 from hybrid_prefix_cache.policies.tuning import AlphaTuner
 
 logger = logging.getLogger(__name__)
@@ -91,17 +97,23 @@ class HybridBlockPool(BlockPool):
                 return True
         return False
 
-    def set_state_parent(self, block: KVCacheBlock, parent_end: int) -> None:
-        """The state cached in ``block`` extends the state at ``parent_end`` tokens (its Marconi parent)."""
-        if self.index is not None and not block.is_null:
-            self.index.set_parent_end(block.block_id, parent_end)
-
-    def observe_request(self, record: RequestRecord) -> None:
-        """A request finished: feed the alpha tuner's window (may re-tune)."""
-        if self.tuner is None:
+    def finish_request(
+        self, keys: Sequence[BlockHash], states: Sequence[tuple[int, int]], max_hit_blocks: int, finished: bool
+    ) -> None:
+        """A request left the scheduler: ``keys`` of its full blocks, ``states`` it left cached as ``(block
+        index, parent state end in tokens)``. Its Marconi nodes get their efficiency; a finished request (not a
+        preempted one) joins the alpha tuner's window (which may re-tune)."""
+        if self.index is None or self.layout is None:
+            return
+        costs, block_size = self.index.costs, self.layout.block_size
+        for position, parent_end in states:
+            if position < len(keys):
+                efficiency = costs.node_efficiency(parent_end, (position + 1) * block_size)
+                self.index.assign_node(node_keys(keys, position, parent_end, block_size), efficiency)
+        if not finished or self.tuner is None:
             return
         before = self.tuner.alpha
-        after = self.tuner.observe(record)
+        after = self.tuner.observe(RequestRecord(tuple(keys), max_hit_blocks, tuple(states)))
         if after != before:
             logger.info("hybrid-prefix-cache: FLOP-aware eviction alpha %s -> %s", before, after)
 
@@ -153,8 +165,7 @@ class HybridBlockPool(BlockPool):
         had_key = block.block_hash is not None
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         if self.index is not None and not had_key and block.block_hash is not None:
-            key = block.block_hash
-            self.index.admit(block.block_id, get_block_hash(key), get_group_id(key), block.block_hash_num_tokens or 0)
+            self.index.admit(block.block_id, get_block_hash(block.block_hash), get_group_id(block.block_hash))
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
         had_key = block.block_hash is not None

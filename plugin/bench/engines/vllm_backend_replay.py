@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,11 @@ def replay_with_backend(
     *,
     max_concurrency: int = 1,
     options: EngineOptions | None = None,
+    on_scheduler: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Replay ``requests`` like :func:`vllm_replay.replay`, with ``backend`` (None: vLLM's own cache)."""
+    """Replay ``requests`` like :func:`vllm_replay.replay`, with ``backend`` (None: vLLM's own cache).
+
+    ``on_scheduler`` receives vLLM's scheduler once it is built, before the replay (to inspect it later)."""
     from hybrid_prefix_cache.adapters.vllm import install
 
     vllm_replay._check_inputs(requests, hf_config, cache_bytes, max_concurrency)
@@ -72,6 +75,8 @@ def replay_with_backend(
         scheduler = vllm_replay._build_scheduler(vllm_config, setup)
     finally:
         install(None)
+    if on_scheduler is not None:
+        on_scheduler(scheduler)
     pool = scheduler.kv_cache_manager.block_pool
     free_blocks_initial = pool.get_num_free_blocks()
     setup_s = time.perf_counter() - started
