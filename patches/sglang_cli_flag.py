@@ -110,9 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-cache-alpha-grid", type=_argument_type(parse_alpha_grid), default=None,
                        metavar="A,B,...", help="alpha values the online tuner tries (0 always included)")
     group.add_argument("--prefix-cache-tuning-window", type=_argument_type(_count), default=None, metavar="N",
-                       help="requests per tuning window; 0 turns tuning off")
+                       help="requests per tuning window (default 600); 0 turns tuning off")
     group.add_argument("--prefix-cache-retune-every", type=_argument_type(_positive), default=None, metavar="N",
-                       help="requests between tunings (default: the window)")
+                       help="requests between tunings (default 100)")
 
 
 def settings_from_args(args: argparse.Namespace) -> PrefixCacheSettings | None:

@@ -91,3 +91,26 @@ def test_all_keeps_the_end_of_input_state_that_marconi_skips():
     all_sim.run([request])
     marconi_sim.run([request])
     assert (all_sim.tree.total_states, marconi_sim.tree.total_states) == (2, 1)
+
+
+def test_third_party_backends_come_from_the_entry_point_group(monkeypatch):
+    from importlib import metadata
+
+    from hybrid_prefix_cache import registry
+
+    class FakeEntryPoint:
+        def __init__(self, name, value):
+            self.name, self._value = name, value
+
+        def load(self):
+            return self._value
+
+    custom = registry.Backend("team-cache", "periodic:128", "lru", "a third-party pairing")
+    points = [FakeEntryPoint("team", custom)]
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda group: points if group == registry.ENTRY_POINT_GROUP else [])
+    assert [b.name for b in list_backends()] == ["mamba-radix", "marconi", "team-cache"]
+    assert resolve_backend("team-cache") is custom
+    points.append(FakeEntryPoint("broken", object()))
+    with pytest.raises(TypeError, match="must load a Backend"):
+        list_backends()

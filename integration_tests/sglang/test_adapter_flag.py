@@ -13,10 +13,9 @@ import pytest
 from fixtures_sglang import PoolSetup, build_in_scheduler_process, sglang_config, tree_cache_context
 
 from hybrid_prefix_cache.adapters.sglang import plugin
-from hybrid_prefix_cache.adapters.sglang.settings import SERVER_ARGS_ATTRIBUTE
+from hybrid_prefix_cache.adapters.sglang.settings import SERVER_ARGS_ATTRIBUTE, PrefixCacheSettings
 
-DEFAULT_SETTINGS = {"state_chunk_size": None, "alpha": 0.0, "alpha_grid": [0.0, 0.5, 1.0, 2.0, 4.0, 8.0],
-                    "tuning_window": 500, "retune_every": None}
+DEFAULT_SETTINGS = PrefixCacheSettings().to_dict()
 
 
 @pytest.fixture(scope="module", autouse=True)

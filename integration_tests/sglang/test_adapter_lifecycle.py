@@ -353,7 +353,7 @@ def test_eviction_metrics_reach_sglangs_collector(config):
 def test_flop_aware_eviction_tunes_alpha_online(config):
     config()
     driver = CacheDriver(PoolSetup(kv_tokens=200, states=10),
-                         ours("marconi", tuning_window=6, alpha_grid=[0.5, 4.0]))
+                         ours("marconi", tuning_window=6, retune_every=6, alpha_grid=[0.5, 4.0]))
     cache = driver.cache
     assert type(cache.tree.eviction).__name__ == "FlopAwareEviction"
     rng = random.Random(3)
@@ -362,7 +362,8 @@ def test_flop_aware_eviction_tunes_alpha_online(config):
         for session in sessions:
             driver.run(*session[turn])
     history = cache.tuning.history
-    assert len(history) == 2
+    assert len(history) == 2  # 12 requests, a tuning every 6
+    assert set(cache.tuning.shadows) == {0.0, 0.5, 4.0}
     assert set(history[-1].hits) == {0.0, 0.5, 4.0}
     assert cache.tree.eviction.alpha == history[-1].alpha
     cache.sanity_check()

@@ -8,8 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from hybrid_prefix_cache.bench.traces import Request
 
 # A paper-7b-like hybrid as a Hugging Face config: 24 Mamba2 + 4 attention layers (7 KV-cache groups on vLLM).
@@ -110,9 +108,8 @@ def pool_problems(pool: Any) -> list[str]:
     return problems
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_config(tiny_qwen3_next: Path) -> dict[str, Any]:
-    return json.loads((tiny_qwen3_next / "config.json").read_text(encoding="utf-8"))
+def read_hf_config(model: Path) -> dict[str, Any]:
+    return json.loads((model / "config.json").read_text(encoding="utf-8"))
 
 
 def start_engine(model: Path, **overrides: Any) -> Any:

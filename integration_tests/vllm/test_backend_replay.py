@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from fixtures_backend import (
     multi_turn_trace,
     pool_problems,
     random_tokens,
-    tiny_hf_config,  # noqa: F401 (fixture)
+    read_hf_config,
 )
 
 from hybrid_prefix_cache.adapters.vllm import install
@@ -29,6 +30,11 @@ from hybrid_prefix_cache.bench.traces import Request
 
 OPTIONS = EngineOptions(max_num_batched_tokens=2048)
 FP16_STATES = EngineOptions(mamba_ssm_cache_dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_config(tiny_qwen3_next: Path) -> dict[str, Any]:
+    return read_hf_config(tiny_qwen3_next)
 
 
 @pytest.fixture(autouse=True)
@@ -92,12 +98,9 @@ def test_mamba_radix_caches_every_decode_boundary(tiny_hf_config: dict[str, Any]
     result, scheduler = run(trace, tiny_hf_config, 256 * MIB, "mamba-radix")
     pool = scheduler.kv_cache_manager.block_pool
     assert type(pool).__name__ == "BlockPool"
-    assert any(isinstance(manager, AdmissionMambaManager) for manager in scheduler.kv_cache_manager.coordinator.single_type_managers)
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    state_group = next(group for group, manager in enumerate(managers) if isinstance(manager, AdmissionMambaManager))
     block = result["block_size"]
-    state_group = next(
-        group for group, manager in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
-        if isinstance(manager, AdmissionMambaManager)
-    )
     ends = sorted(
         block_.block_hash_num_tokens
         for block_ in pool.blocks[1:]
@@ -139,7 +142,9 @@ def test_under_pressure_the_pool_stays_consistent_and_leaks_nothing(
 
         scheduler.update_from_output = update
 
-    result = replay_with_backend(trace, tiny_hf_config, 8 * MIB, backend, options=OPTIONS, on_scheduler=check_every_step)
+    result = replay_with_backend(
+        trace, tiny_hf_config, 8 * MIB, backend, options=OPTIONS, on_scheduler=check_every_step
+    )
     assert result["backend"] == backend
     assert sum(result.get("evicted_blocks_by_reason", {}).values()) > 0 or backend == "marconi/lru"
     assert checked and not [problems for problems in checked if problems][:1]

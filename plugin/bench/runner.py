@@ -54,12 +54,15 @@ class BenchReport:
                 cells.append(f"{100 * record['token_hit_rate']:>10.1f}" if record else f"{'-':>10}")
             lines.append(f"{backend:<16}" + "".join(cells))
         lines.append("")
-        lines.append(f"{'backend':<16}{'GB':>6}{'state hit':>11}{'TTFT p50':>11}{'TTFT p95':>11}{'prefill tok':>13}")
+        lines.append(f"{'backend':<16}{'GB':>6}{'state hit':>11}{'TTFT p50':>11}{'TTFT p95':>11}{'prefill tok':>13}"
+                     f"{'too large':>11}")
         for record in self.records:
             lines.append(
                 f"{record['backend']:<16}{record['cache_gb']:>6g}{_percent(record['state_hit_rate']):>11}"
                 f"{record['ttft_p50_ms']:>9.0f}ms{record['ttft_p95_ms']:>9.0f}ms{record['prefill_tokens_computed']:>13,}"
+                f"{record.get('rejected_requests', 0):>11,}"
             )
+        lines.append("too large: requests that could not fit in the cache even after evicting everything (misses)")
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:

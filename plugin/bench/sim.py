@@ -114,6 +114,7 @@ class SimResult:
     reused_tokens: int = 0
     prefill_tokens_computed: int = 0
     rejected_requests: int = 0
+    rejected_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     state_hit_rate: float = 0.0
     request_hit_rate: float = 0.0
@@ -124,7 +125,9 @@ class SimResult:
 
     @property
     def token_hit_rate(self) -> float:
-        return self.reused_tokens / self.input_tokens if self.input_tokens else 0.0
+        """Reused tokens over all input tokens, those of requests too large for the cache included."""
+        total = self.input_tokens + self.rejected_tokens
+        return self.reused_tokens / total if total else 0.0
 
     def ttft_percentile_ms(self, q: float) -> float:
         if not self.ttft_s:
@@ -333,6 +336,7 @@ class CacheSimulator:
             flight = self._start(request, request.ts)
             if flight is None:
                 result.rejected_requests += 1
+                result.rejected_tokens += len(request.input_tokens)
             else:
                 server_free_at = self._admit(request, flight, now, result)
                 self._capture_prefill_states(flight)
@@ -393,6 +397,7 @@ class CacheSimulator:
                         break
                     waiting.pop(0)
                     result.rejected_requests += 1
+                    result.rejected_tokens += len(request.input_tokens)
                     self._release_session(request.session_id, now, busy_sessions, deferred, push)
                     if progress is not None:
                         progress(1)

@@ -2,10 +2,11 @@
 
 Marconi tunes alpha once, by replaying a window of past requests over a grid; a value tuned once can lose to
 plain LRU by a wide margin when the workload drifts. :class:`AlphaTuner` keeps a sliding window of the latest
-requests and re-tunes every ``retune_every`` requests: the caller's ``evaluate(alpha, window)`` replays the
-window through a shadow cache with that alpha and returns its token hits. alpha 0 is plain LRU and the
-baseline: a tuned alpha replaces it only when its hits strictly exceed alpha 0's hits on the same window by
-more than ``margin`` plus ``relative_margin`` times alpha 0's hits; ties go to 0, and among tuned values with equal hits the smallest wins.
+requests and re-tunes every ``retune_every`` requests: the caller's ``evaluate(alpha, window)`` returns the
+token hits a cache with that alpha had on the window (the simulator keeps one persistent shadow cache per
+alpha). alpha 0 is plain LRU and the baseline: a tuned alpha replaces it only when its hits strictly exceed
+alpha 0's on the same window by more than ``margin`` plus ``relative_margin`` times alpha 0's hits; ties go
+to 0, and among tuned values with equal hits the smallest wins.
 """
 
 from __future__ import annotations

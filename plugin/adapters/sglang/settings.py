@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from hybrid_prefix_cache.policies.tuning import DEFAULT_ALPHA_GRID
+from hybrid_prefix_cache.bench.sim import SimSettings
 
 # An underscore name that is not a ServerArgs field: SGLang lets it be set on the record before resolution, and
 # the record's pickling keeps it (sglang/srt/server_args.py, ServerArgs.__setattr__ and __reduce__).
 SERVER_ARGS_ATTRIBUTE = "_hybrid_prefix_cache"
 
-DEFAULT_TUNING_WINDOW = 500
+# The simulator's tuning defaults, so that a backend tunes alike in the engine and in the benchmark.
+_SIM_DEFAULTS = SimSettings()
 
 
 def _positive_int(key: str, value: object, *, allow_zero: bool = False) -> int:
@@ -47,15 +48,18 @@ class PrefixCacheSettings:
     - ``alpha``: the FLOP-aware eviction's weight of FLOP efficiency against recency before any tuning
       (0 is LRU).
     - ``alpha_grid``: the values the online tuner tries (0, plain LRU, is always tried and wins ties).
-    - ``tuning_window``: requests in the tuner's sliding window; 0 turns tuning off (``alpha`` stays).
-    - ``retune_every``: requests between two tunings; None means ``tuning_window``.
+    - ``tuning_window``: requests over which the tuner compares its shadow caches (one per alpha, fed every
+      finished request); 0 turns tuning off (``alpha`` stays).
+    - ``retune_every``: requests between two tunings.
+    - ``relative_margin``: a tuned alpha replaces 0 only when its shadow's hits beat alpha 0's by this fraction.
     """
 
     state_chunk_size: int | None = None
     alpha: float = 0.0
-    alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
-    tuning_window: int = DEFAULT_TUNING_WINDOW
-    retune_every: int | None = None
+    alpha_grid: tuple[float, ...] = _SIM_DEFAULTS.alpha_grid
+    tuning_window: int = _SIM_DEFAULTS.tune_window
+    retune_every: int = _SIM_DEFAULTS.tune_every
+    relative_margin: float = _SIM_DEFAULTS.tune_relative_margin
 
     def __post_init__(self) -> None:
         if self.state_chunk_size is not None:
@@ -68,16 +72,12 @@ class PrefixCacheSettings:
             raise ValueError("prefix-cache setting 'alpha_grid' must hold at least one number")
         object.__setattr__(self, "alpha_grid", grid)
         _positive_int("tuning_window", self.tuning_window, allow_zero=True)
-        if self.retune_every is not None:
-            _positive_int("retune_every", self.retune_every)
+        _positive_int("retune_every", self.retune_every)
+        _alpha("relative_margin", self.relative_margin)
 
     @property
     def tunes(self) -> bool:
         return self.tuning_window > 0
-
-    @property
-    def retune_interval(self) -> int:
-        return self.retune_every or self.tuning_window
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -1,15 +1,16 @@
-"""Online alpha tuning for a FLOP-aware backend running inside an engine.
+"""Online alpha tuning for a FLOP-aware backend running inside an engine, as the trace simulator tunes.
 
-:class:`~hybrid_prefix_cache.policies.tuning.AlphaTuner` needs ``evaluate(alpha, window)``: the token hits a cache
-of the engine's size would have had on a window of past requests with that alpha. Here that is a replay of the
-window through the trace simulator's cache (the same tree, admission and eviction policy) with the engine's KV
-and state capacities. Requests are numbered in finish order and that number is their arrival time, so every
-tensor-parallel rank, seeing the same requests, tunes to the same alpha (their trees must stay identical).
-This module imports no engine.
+:class:`~hybrid_prefix_cache.policies.tuning.AlphaTuner` compares alphas on a window of recent requests. Here, as in
+:class:`~hybrid_prefix_cache.bench.sim.CacheSimulator`, every grid alpha has a persistent shadow cache: a simulated
+cache with the engine's KV and state capacities and the backend's policies, fed every request the engine finishes;
+an alpha's score is its shadow's token hits over the window. Requests are numbered in finish order and that number
+is their arrival time, so every tensor-parallel rank, seeing the same requests, tunes to the same alpha (their
+trees must stay identical). This module imports no engine.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from hybrid_prefix_cache.bench.sim import CacheSimulator, MemoryModel, SimSettings
@@ -23,10 +24,10 @@ from .settings import PrefixCacheSettings
 
 
 class ShadowAlphaTuning:
-    """Feeds finished requests to an :class:`AlphaTuner` and applies its choices to ``eviction.alpha``.
+    """Feeds finished requests to the shadow caches and the tuner and applies its choices to ``eviction.alpha``.
 
-    ``eviction.alpha`` starts at ``settings.alpha`` and follows the tuner from its first tuning on (the tuner
-    keeps 0, plain LRU, unless another value strictly wins on the window).
+    ``eviction.alpha`` starts at ``settings.alpha`` and follows the tuner from its first tuning on (the tuner keeps
+    0, plain LRU, unless another value beats it by ``settings.relative_margin``).
     """
 
     def __init__(
@@ -43,34 +44,35 @@ class ShadowAlphaTuning:
         state_chunk_size: int,
     ) -> None:
         self.eviction = eviction
-        self.backend = backend
-        self.admission = admission
-        self.spec = spec
         budget = kv_capacity * spec.kv_bytes_per_token + state_capacity * spec.state_bytes
-        self.memory = MemoryModel("split", spec.kv_bytes_per_token, spec.state_bytes, kv_capacity, state_capacity,
-                                  budget, page_size)
-        self.sim_settings = SimSettings(chunk=state_chunk_size)
+        memory = MemoryModel("split", spec.kv_bytes_per_token, spec.state_bytes, kv_capacity, state_capacity,
+                             budget, page_size)
         self.tuner: AlphaTuner[Request] = AlphaTuner(
-            self.shadow_hits, grid=settings.alpha_grid, window=settings.tuning_window,
-            retune_every=settings.retune_interval,
+            self._window_hits, grid=settings.alpha_grid, window=settings.tuning_window,
+            retune_every=settings.retune_every, relative_margin=settings.relative_margin,
         )
+        simulated = SimSettings(chunk=state_chunk_size)
+        self.shadows = {
+            alpha: CacheSimulator(spec, memory, admission, lambda value: backend.make_eviction(spec, value),
+                                  settings=simulated, alpha=alpha)
+            for alpha in self.tuner.grid
+        }
+        self._hits = {alpha: deque(maxlen=settings.tuning_window) for alpha in self.tuner.grid}
         eviction.alpha = settings.alpha
         self._finished = 0
 
     def observe(self, input_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         self._finished += 1
         request = Request(f"request-{self._finished}", 0, float(self._finished), tuple(input_ids), tuple(output_ids))
+        for alpha, shadow in self.shadows.items():
+            self._hits[alpha].append(shadow.run([request]).reused_tokens)
         tunings = len(self.tuner.history)
         self.tuner.observe(request)
         if len(self.tuner.history) > tunings:
             self.eviction.alpha = self.tuner.alpha
 
-    def shadow_hits(self, alpha: float, window: Sequence[Request]) -> float:
-        """Token hits of ``window`` replayed through a fresh simulated cache of the engine's size."""
-        shadow = CacheSimulator(self.spec, self.memory, self.admission,
-                                lambda value: self.backend.make_eviction(self.spec, value),
-                                settings=self.sim_settings, alpha=alpha)
-        return float(shadow.run(list(window)).reused_tokens)
+    def _window_hits(self, alpha: float, window: Sequence[Request]) -> float:
+        return float(sum(self._hits[alpha]))
 
     @property
     def history(self) -> list:
