@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import random
 from contextlib import ExitStack
+from dataclasses import replace
 
 import pytest
 import torch
 from fixtures_sglang import (
     CacheDriver,
     PoolSetup,
+    build_pools,
+    cache_params,
     conversation_turns,
     make_ours,
     sglang_config,
@@ -367,4 +370,37 @@ def test_flop_aware_eviction_tunes_alpha_online(config):
     assert set(history[-1].hits) == {0.0, 0.5, 4.0}
     assert cache.tree.eviction.alpha == history[-1].alpha
     cache.sanity_check()
+    driver.drain()
+
+
+def test_construction_refuses_what_it_cannot_serve(config):
+    config(page_size=2)
+    setup = PoolSetup(page_size=2, extra_buffer=True)
+    pool, allocator = build_pools(setup)
+    with pytest.raises(ValueError, match="needs the extra-buffer strategy"):
+        make_ours(cache_params(replace(setup, extra_buffer=False), pool, allocator))
+    for field, message in (("disable", "radix cache disabled"), ("is_eagle", "speculative decoding")):
+        params = cache_params(setup, pool, allocator)
+        setattr(params, field, True)
+        with pytest.raises(ValueError, match=message):
+            make_ours(params)
+    with pytest.raises(ValueError, match="not a multiple of SGLang's mamba checkpoint grid 4"):
+        make_ours(cache_params(setup, pool, allocator), state_chunk_size=6)
+    cache = make_ours(cache_params(setup, pool, allocator), state_chunk_size=8)
+    assert cache.tree.state_chunk_size == 8
+
+
+def test_coarser_branch_points_from_the_settings(config):
+    """state_chunk_size 8 (twice SGLang's grid of 4): the branch point of a 22-token shared prefix is 16, not 20."""
+    config()
+    driver = CacheDriver(PoolSetup(extra_buffer=True), ours("marconi", state_chunk_size=8))
+    shared = list(range(1, 23))
+    driver.run([*shared, 90, 91], [1])
+    req = driver.new_request([*shared, 92, 93], [1])
+    driver.admit(req)
+    assert req.mamba_branching_seqlen == 16
+    while not driver.prefill(req):
+        pass
+    driver.finish(req)
+    assert 16 in cached_lengths(driver)
     driver.drain()

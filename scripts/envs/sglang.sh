@@ -16,7 +16,7 @@ $PIP install -q "torch==2.13.0" \
   numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pyzmq tqdm IPython pydantic aiohttp \
   dill gguf partial_json_parser sentencepiece triton setproctitle einops uvicorn fastapi \
   uvloop jsonschema python-multipart "soundfile==0.13.1" \
-  "pytest>=8" "hypothesis>=6.100" "ruff>=0.6"
+  "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" prometheus_client
 
 # sglang.srt.utils.common imports torchvision.io at load time, and transformers then imports torchvision.transforms
 # because it finds the package. PyPI's torchvision wheels are CUDA builds that fail to load beside CPU torch, so a

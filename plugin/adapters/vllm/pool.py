@@ -44,6 +44,8 @@ from hybrid_prefix_cache.policies.tuning import AlphaTuner
 
 logger = logging.getLogger(__name__)
 
+_NEVER = 1 << 62
+
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
@@ -76,8 +78,11 @@ class HybridBlockPool(BlockPool):
         if costs is None:
             return
         self.index = BlockCacheIndex(self.num_gpu_blocks, layout.fa_groups, layout.state_groups, costs)
-        self.tuner = AlphaTuner(self._shadow_hits, window=tune_window, retune_every=tune_every)
+        # The pool decides when to re-tune (see finish_request), so the tuner's own period never fires.
+        self.tuner = AlphaTuner(self._shadow_hits, window=tune_window, retune_every=_NEVER)
         self.tuner.bind(self.index)
+        self.tune_every = tune_every
+        self._evicted_at_last_tune = 0
 
     # ------------------------------------------------------------------ what our admission asks
 
@@ -112,8 +117,17 @@ class HybridBlockPool(BlockPool):
                 self.index.assign_node(node_keys(keys, position, parent_end, block_size), efficiency)
         if not finished or self.tuner is None:
             return
+        self.tuner.observe(RequestRecord(tuple(keys), max_hit_blocks, tuple(states)))
+        if self.tuner.requests_seen % self.tune_every:
+            return
+        # Without evictions since the last re-tune alpha has had no effect, and the shadow (which holds no more
+        # than the pool) would evict little or nothing: its replays (seconds on a 500-request window) are skipped.
+        evicted = sum(self.evictions.values())
+        if evicted == self._evicted_at_last_tune:
+            return
+        self._evicted_at_last_tune = evicted
         before = self.tuner.alpha
-        after = self.tuner.observe(RequestRecord(tuple(keys), max_hit_blocks, tuple(states)))
+        after = self.tuner.retune().alpha
         if after != before:
             logger.info("hybrid-prefix-cache: FLOP-aware eviction alpha %s -> %s", before, after)
 
