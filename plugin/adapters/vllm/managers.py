@@ -15,9 +15,10 @@ shared-prefix junction. :class:`AdmissionMambaManager` steers that decision:
   junction lies in an earlier request's reply or in a block produced by the same session: that request
   continues the conversation, and its own final state will supersede the junction's.
 
-Every admitted state reports its Marconi parent (the deepest state it extends: the hit, or the last state this
-request kept) to a :class:`~hybrid_prefix_cache.adapters.vllm.pool.HybridBlockPool`, and the manager of the
-first Mamba group hands each finished request's record to the pool's alpha tuner.
+Each request's kept states are remembered with their Marconi parent (the deepest state each extends: the hit,
+or the last state the request kept). When the request leaves the scheduler, the manager of the first Mamba
+group hands them, with the request's block keys, to a FLOP-aware
+:class:`~hybrid_prefix_cache.adapters.vllm.pool.HybridBlockPool` (node efficiencies, the alpha tuner's window).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class AdmissionMambaManager(MambaManager):
             return
         hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, self.block_size)
         position = junction // self.block_size - 1
-        if 0 <= position < len(hashes) and self.block_pool.continues_a_reply(hashes[position], request.session_id):
+        session_id = getattr(request, "session_id", None)
+        if 0 <= position < len(hashes) and self.block_pool.continues_a_reply(hashes[position], session_id):
             # The scheduler reads it to end a prefill chunk there and the mask to keep the state: neither pays.
             request.shared_prefix_boundary = 0
             return

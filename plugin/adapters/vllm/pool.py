@@ -64,8 +64,10 @@ class HybridBlockPool(BlockPool):
         self.layout: PoolLayout | None = None
         self.index: BlockCacheIndex | None = None
         self.tuner: AlphaTuner[RequestRecord] | None = None
-        # How each overwritten cached block was chosen: dead, narrow / branch (states by utility), lru (fallback).
+        # How each overwritten cached block was classed: dead (no hit can use it), scored, lru (no candidate).
         self.evictions: Counter[str] = Counter()
+        self.tune_every = 0
+        self._evicted_at_last_tune = 0
         # Producer of each cached FA block: did it hold decoded tokens, and the producing request's session.
         self._holds_output = bytearray(self.num_gpu_blocks)
         self._producer_session: list[str | None] = [None] * self.num_gpu_blocks
@@ -82,7 +84,6 @@ class HybridBlockPool(BlockPool):
         self.tuner = AlphaTuner(self._shadow_hits, window=tune_window, retune_every=_NEVER)
         self.tuner.bind(self.index)
         self.tune_every = tune_every
-        self._evicted_at_last_tune = 0
 
     # ------------------------------------------------------------------ what our admission asks
 

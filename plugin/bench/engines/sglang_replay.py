@@ -77,7 +77,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from hybrid_prefix_cache.bench.traces import Request
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -93,23 +95,7 @@ DEFAULT_MAMBA_CHUNK_SIZE = 64
 MAX_REQ_INPUT_HEADROOM = 5
 
 
-class TraceRequest(Protocol):
-    """One turn of a trace (``hybrid_prefix_cache.bench.traces.Request`` satisfies it)."""
-
-    @property
-    def session_id(self) -> str: ...
-
-    @property
-    def turn_id(self) -> int: ...
-
-    @property
-    def ts(self) -> float: ...
-
-    @property
-    def input_tokens(self) -> Sequence[int]: ...
-
-    @property
-    def output_tokens(self) -> Sequence[int]: ...
+TraceRequest = Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from hybrid_prefix_cache.bench.traces import Request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,23 +55,7 @@ GIB = 1 << 30
 FILLER_TOKEN_ID = 0
 
 
-class TraceRequest(Protocol):
-    """One turn of a trace (``hybrid_prefix_cache.bench.traces.Request`` satisfies it)."""
-
-    @property
-    def session_id(self) -> str: ...
-
-    @property
-    def turn_id(self) -> int: ...
-
-    @property
-    def ts(self) -> float: ...
-
-    @property
-    def input_tokens(self) -> Sequence[int]: ...
-
-    @property
-    def output_tokens(self) -> Sequence[int]: ...
+TraceRequest = Request
 
 
 @dataclass(frozen=True, slots=True)
