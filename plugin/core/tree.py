@@ -22,6 +22,7 @@ Invariants (all checked by :meth:`HybridRadixTree.check_invariants`):
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,7 +59,7 @@ class Node:
         "state_lock",
     )
 
-    def __init__(self, key: tuple, kv: Any, parent: Node | None, end: int, namespace: Hashable, node_id: int):
+    def __init__(self, key: array, kv: Any, parent: Node | None, end: int, namespace: Hashable, node_id: int):
         self.key = key
         self.kv = kv
         self.state: Any = None
@@ -233,7 +234,7 @@ class HybridRadixTree:
         self._clock = itertools.count(1)
         self.full_lru = LinkedList()
         self.state_lru = LinkedList()
-        self.root = Node((), (), None, 0, None, 0)
+        self.root = Node(array("q"), (), None, 0, None, 0)
         self.root.full_lock = 1
         self.evictable_tokens = 0
         self.protected_tokens = 0
@@ -445,17 +446,18 @@ class HybridRadixTree:
 
     # ------------------------------------------------------------------ internals: structure
 
-    def _aligned(self, key: Sequence[int]) -> tuple:
-        if not isinstance(key, tuple):
-            key = tuple(key)
+    def _aligned(self, key: Sequence[int]) -> array:
+        """The key as whole pages of int64 token ids; an ``array('q')`` from the caller is used without a copy."""
+        if not (isinstance(key, array) and key.typecode == "q"):
+            key = array("q", key)
         extra = len(key) % self.page_size
         return key[: len(key) - extra] if extra else key
 
-    def _child_key(self, parent: Node, key: tuple, pos: int, namespace: Hashable) -> Hashable:
-        page = key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
+    def _child_key(self, parent: Node, key: array, pos: int, namespace: Hashable) -> Hashable:
+        page = key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
         return (namespace, page) if parent is self.root else page
 
-    def _common_len(self, edge: tuple, key: tuple, pos: int) -> int:
+    def _common_len(self, edge: array, key: array, pos: int) -> int:
         limit = min(len(edge), len(key) - pos)
         if edge[:limit] == key[pos : pos + limit]:
             common = limit
@@ -468,11 +470,11 @@ class HybridRadixTree:
                 common += 1
         return common - common % self.page_size
 
-    def _new_node(self, key: tuple, kv: Any, parent: Node, end: int, namespace: Hashable) -> Node:
+    def _new_node(self, key: array, kv: Any, parent: Node, end: int, namespace: Hashable) -> Node:
         self.num_nodes += 1
         return Node(key, kv, parent, end, namespace, next(self._ids))
 
-    def _add_leaf(self, parent: Node, key: tuple, kv: Any, namespace: Hashable) -> Node:
+    def _add_leaf(self, parent: Node, key: array, kv: Any, namespace: Hashable) -> Node:
         leaf = self._new_node(key, kv, parent, parent.end + len(key), namespace)
         parent.children[self._child_key(parent, key, 0, namespace)] = leaf
         self.evictable_tokens += len(key)

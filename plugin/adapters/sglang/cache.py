@@ -32,6 +32,7 @@ import itertools
 import logging
 import time
 import weakref
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -178,7 +179,7 @@ class HybridPrefixCache(BasePrefixCache):
         # Each request's tokens as one tuple, extended as it grows: the tree keys on tuples, and converting a
         # request's token array again for every match and insert would dominate their cost. Keyed weakly by the
         # request, so that requests that never finish (aborted in the queue) leave nothing behind.
-        self._request_tokens: weakref.WeakKeyDictionary[Req, tuple[int, ...]] = weakref.WeakKeyDictionary()
+        self._request_tokens: weakref.WeakKeyDictionary[Req, array] = weakref.WeakKeyDictionary()
         self._receipts = itertools.count(1)
         self._locks: dict[int, PathLock] = {}
         self._node_receipts: dict[Node, list[int]] = {}
@@ -247,7 +248,7 @@ class HybridPrefixCache(BasePrefixCache):
         # look-ahead matches for cache-aware ordering do not.
         req = params.req
         own_tokens = req is not None and key.token_ids is req.full_untruncated_fill_ids and not req.finished()
-        tokens = self._tokens(req, len(key)) if own_tokens else tuple(key.raw_token_ids().tolist())
+        tokens = self._tokens(req, len(key)) if own_tokens else array("q", key.raw_token_ids().tolist())
         found = self.tree.match(tokens, _namespace(key.extra_key, key.cache_salt), record=params.cow_mamba)
         state_node = found.state_node
         if params.cow_mamba and state_node.state is not None:
@@ -287,17 +288,19 @@ class HybridPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ insert paths
 
-    def _tokens(self, req: Req, length: int) -> tuple[int, ...]:
-        """``(req.origin_input_ids + req.output_ids)[:length]`` as a tuple, converting each token once."""
-        known = self._request_tokens.get(req, ())
+    def _tokens(self, req: Req, length: int) -> array:
+        """``(req.origin_input_ids + req.output_ids)[:length]`` as the tree's ``array('q')`` key, converting each
+        token once per request."""
+        known = self._request_tokens.get(req)
+        if known is None:
+            known = self._request_tokens[req] = array("q")
         if len(known) < length:
             origin = req.origin_input_ids
             if len(known) < len(origin):
-                known += tuple(origin[len(known) : length].tolist())
+                known.extend(origin[len(known) : length].tolist())
             if length > len(origin):
-                known += tuple(req.output_ids[len(known) - len(origin) : length - len(origin)])
-            self._request_tokens[req] = known
-        return known if len(known) == length else known[:length]
+                known.extend(req.output_ids[len(known) - len(origin) : length - len(origin)])
+        return known[:length]
 
     def _request_row(self, req: Req, length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :length]
