@@ -247,9 +247,9 @@ class HybridPrefixCache(BasePrefixCache):
         # Only the admission match (the one that copies the state) counts in the hit statistics; the scheduler's
         # look-ahead matches for cache-aware ordering do not.
         req = params.req
-        own_tokens = req is not None and key.token_ids is req.full_untruncated_fill_ids and not req.finished()
-        tokens = self._tokens(req, len(key)) if own_tokens else array("q", key.raw_token_ids().tolist())
-        found = self.tree.match(tokens, _namespace(key.extra_key, key.cache_salt), record=params.cow_mamba)
+        # RadixKey holds an array('q'), the tree's key type: it is matched without a copy.
+        found = self.tree.match(key.raw_token_ids(), _namespace(key.extra_key, key.cache_salt),
+                                record=params.cow_mamba)
         state_node = found.state_node
         if params.cow_mamba and state_node.state is not None:
             self._stage_copy_on_write(req, state_node)
