@@ -8,31 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybrid_prefix_cache.bench.runner import engine_model_config
 from hybrid_prefix_cache.bench.traces import Request
 
-# A paper-7b-like hybrid as a Hugging Face config: 24 Mamba2 + 4 attention layers (7 KV-cache groups on vLLM).
-PAPER_7B_HF_CONFIG: dict[str, Any] = {
-    "architectures": ["NemotronHForCausalLM"],
-    "model_type": "nemotron_h",
-    "hidden_size": 4096,
-    "hybrid_override_pattern": "M-M-M-M-M-M-*-" * 4,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "head_dim": 128,
-    "intermediate_size": 16384,
-    "mlp_hidden_act": "relu2",
-    "ssm_state_size": 128,
-    "expand": 2,
-    "n_groups": 1,
-    "conv_kernel": 4,
-    "mamba_num_heads": 64,
-    "mamba_head_dim": 64,
-    "chunk_size": 256,
-    "vocab_size": 100000,
-    "max_position_embeddings": 131072,
-    "torch_dtype": "float16",
-    "tie_word_embeddings": False,
-}
+# paper-7b as vLLM instantiates it (the Nemotron-H form the benchmark's --engine vllm uses): 24 Mamba2 + 4
+# attention layers (7 KV-cache groups on vLLM).
+PAPER_7B_HF_CONFIG: dict[str, Any] = json.loads(Path(engine_model_config("paper-7b")).read_text(encoding="utf-8"))
 GIB = 1 << 30
 MIB = 1 << 20
 # The tiny model's vocabulary is 1024 ids, the first few special.

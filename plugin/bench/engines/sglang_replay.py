@@ -79,6 +79,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_prefix_cache.bench.engines import parse_budgets
 from hybrid_prefix_cache.bench.traces import Request
 
 if TYPE_CHECKING:
@@ -555,19 +556,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _parse_budgets(text: str) -> list[int]:
-    budgets = []
-    for item in text.split(","):
-        try:
-            gib = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--cache-gb takes numbers separated by commas, got {item!r}") from None
-        if not math.isfinite(gib) or gib <= 0:
-            raise argparse.ArgumentTypeError(f"--cache-gb values must be positive, got {item!r}")
-        budgets.append(int(gib * GIB))
-    return budgets
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hybrid_prefix_cache.bench.engines.sglang_replay",
@@ -577,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-bytes-per-token", type=_positive_int, required=True, help="KV bytes of one token")
     parser.add_argument("--state-bytes", type=_positive_int, required=True, help="bytes of one cached state")
     parser.add_argument(
-        "--cache-gb", type=_parse_budgets, required=True, help="budgets in GiB (2^30 bytes) for KV + states, e.g. 5,10"
+        "--cache-gb", type=parse_budgets, required=True, help="budgets in GiB (2^30 bytes) for KV + states, e.g. 5,10"
     )
     parser.add_argument("--page-size", type=_positive_int, default=1, help="SGLang --page-size (only 1 is supported)")
     parser.add_argument(

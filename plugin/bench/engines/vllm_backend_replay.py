@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybrid_prefix_cache.bench.engines import vllm_replay
+from hybrid_prefix_cache.bench.engines import parse_budgets, vllm_replay
 from hybrid_prefix_cache.bench.engines.vllm_replay import GIB, EngineOptions, TraceRequest
 
 VLLM_DEFAULT = "vllm"
@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--trace-jsonl", type=Path, required=True, help="trace (see bench/traces.py)")
     parser.add_argument("--model-config", type=Path, required=True, help="Hugging Face config.json of the model")
-    parser.add_argument("--cache-gb", type=vllm_replay._parse_budgets, required=True, help="budgets in GiB, e.g. 1,5")
+    parser.add_argument("--cache-gb", type=parse_budgets, required=True, help="budgets in GiB, e.g. 1,5")
     parser.add_argument(
         "--backends", type=_parse_backends, default=[None, "marconi"],
         help=f"comma-separated backends; '{VLLM_DEFAULT}' is vLLM's own prefix cache (default: vllm,marconi)",

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_prefix_cache.bench.engines import parse_budgets
 from hybrid_prefix_cache.bench.traces import Request
 
 if TYPE_CHECKING:
@@ -466,19 +466,6 @@ def replay(
     }
 
 
-def _parse_budgets(text: str) -> list[int]:
-    budgets: list[int] = []
-    for item in text.split(","):
-        try:
-            gib = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--cache-gb takes numbers separated by commas, got {item!r}") from None
-        if not math.isfinite(gib) or gib <= 0:
-            raise argparse.ArgumentTypeError(f"--cache-gb values must be positive, got {item!r}")
-        budgets.append(int(gib * GIB))
-    return budgets
-
-
 def _parse_json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -507,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trace-jsonl", type=Path, required=True, help="trace (see bench/traces.py)")
     parser.add_argument("--model-config", type=Path, required=True, help="Hugging Face config.json of the model")
     parser.add_argument(
-        "--cache-gb", type=_parse_budgets, required=True, help="KV cache budgets in GiB (2^30 bytes), e.g. 2,5,10"
+        "--cache-gb", type=parse_budgets, required=True, help="KV cache budgets in GiB (2^30 bytes), e.g. 2,5,10"
     )
     parser.add_argument("--json", type=Path, help="write all results to this file")
     parser.add_argument("--max-concurrency", type=int, default=1, help="requests in flight (default 1)")
