@@ -256,6 +256,7 @@ class CacheDriver:
         input_len = self._fill_len[req.rid]
         if end < input_len:
             maybe_cache_unfinished_req(req, self.cache, chunked=True)
+            self._expect_prefix_is_row(req, end)
             next_start = len(req.prefix_indices)
             req.set_extend_range(next_start, self._chunk_end(next_start, input_len, self._chunks[req.rid]))
             return False
@@ -263,7 +264,16 @@ class CacheDriver:
         req.output_ids.append(planned[len(req.output_ids)])
         if len(req.output_ids) < len(planned):
             maybe_cache_unfinished_req(req, self.cache)
+            self._expect_prefix_is_row(req, end)
         return True
+
+    def _expect_prefix_is_row(self, req: Any, fill_len: int) -> None:
+        """After ``cache_unfinished_req`` the request's prefix indices are its KV row: the next chunk and the
+        decode build on them, and the row is what the forward reads."""
+        row = self.pool.req_to_token[req.kv.req_pool_idx, :fill_len].to(torch.int64)
+        assert torch.equal(req.prefix_indices, row), (
+            f"{req.rid}: prefix indices {req.prefix_indices.tolist()} differ from its KV row {row.tolist()}"
+        )
 
     def _allocate_extend(self, req: Any, start: int, end: int) -> None:
         from sglang.srt.mem_cache.allocation import (

@@ -63,8 +63,19 @@ class LinkedList:
         self.size -= 1
 
     def move_to_tail(self, link: Link) -> None:
-        self.remove(link)
-        self.push_tail(link)
+        # Inlined remove + push_tail: this runs for every node on every touched path.
+        following = link.next
+        if following is self._sentinel:
+            return
+        previous = link.prev
+        previous.next = following
+        following.prev = previous
+        sentinel = self._sentinel
+        last = sentinel.prev
+        link.prev = last
+        link.next = sentinel
+        last.next = link
+        sentinel.prev = link
 
     def head(self) -> Any | None:
         first = self._sentinel.next

@@ -252,10 +252,13 @@ class HybridRadixTree:
         ``record=False`` keeps the statistics untouched (re-matches, speculative lookups).
         """
         key = self._aligned(key)
-        node, segments, pos = self.root, [], 0
-        state_node, reusable_len, reusable_segments = self.root, 0, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(node, key, pos, namespace))
+        root, page_size = self.root, self.page_size
+        node, segments, pos, end = root, [], 0, len(key)
+        state_node, reusable_len, reusable_segments = root, 0, 0
+        while pos < end:
+            # _child_key inlined: this is the walk's hottest step.
+            first = key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+            child = node.children.get(first if node is not root else (namespace, first))
             if child is None:
                 break
             common = self._common_len(child.key, key, pos)
@@ -270,14 +273,14 @@ class HybridRadixTree:
             if partial:
                 break
         self._touch_path(node)
-        if state_node is not self.root:
+        if state_node is not root:
             self._touch_state(state_node)
         branching = None
         if self.state_chunk_size and pos > reusable_len:
             aligned = pos // self.state_chunk_size * self.state_chunk_size
             branching = aligned if aligned > reusable_len else None
         if record:
-            self.stats.record_match(len(key), reusable_len, pos, self.flops_saved)
+            self.stats.record_match(end, reusable_len, pos, self.flops_saved)
         return MatchResult(segments[:reusable_segments], reusable_len, state_node, pos, node, branching)
 
     def insert(
@@ -297,11 +300,15 @@ class HybridRadixTree:
         evict it; without a lock, a new stateless leaf is not kept (its KV goes back to the allocator).
         """
         key = self._aligned(key)
-        if len(kv) < len(key):
-            raise ValueError(f"insert: {len(kv)} KV slots for a key of {len(key)} tokens")
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(node, key, pos, namespace))
+        end = len(key)
+        if len(kv) < end:
+            raise ValueError(f"insert: {len(kv)} KV slots for a key of {end} tokens")
+        root, page_size = self.root, self.page_size
+        node, pos = root, 0
+        while pos < end:
+            # _child_key inlined: this is the walk's hottest step.
+            first = key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+            child = node.children.get(first if node is not root else (namespace, first))
             if child is None:
                 break
             common = self._common_len(child.key, key, pos)
@@ -310,19 +317,21 @@ class HybridRadixTree:
             node = child
             pos += common
         prefix_len = pos
-        if pos < len(key):
-            node = self._add_leaf(node, key[pos:], kv[pos : len(key)], namespace)
+        if pos < end:
+            node = self._add_leaf(node, key[pos:], kv[pos:end], namespace)
         state_existed = node.state is not None
-        state_taken = state is not None and not state_existed and node is not self.root
+        state_taken = state is not None and not state_existed and node is not root
         if state_taken:
             self._set_state(node, state)
         self._touch_path(node)
         if state_taken:
             self._touch_state(node)
-        path_lock = self.lock(node) if lock else None
-        if path_lock is None:
+        if lock:
+            path_lock = self.lock(node)
+        else:
+            path_lock = None
             self._remove_if_dead_tombstone(node)
-        return InsertResult(prefix_len, state_existed, state_taken, node, len(key), path_lock)
+        return InsertResult(prefix_len, state_existed, state_taken, node, end, path_lock)
 
     # ------------------------------------------------------------------ locks
 
@@ -330,12 +339,16 @@ class HybridRadixTree:
         """Protect the KV of root..node and, if it has one and ``lock_state``, the node's state."""
         if node.parent is None and node is not self.root:
             raise TreeError(f"lock: {node!r} is no longer in the tree")
+        root, lru, protected = self.root, self.full_lru, 0
         walker = node
-        while walker is not self.root:
-            if walker.full_lock == 0:
-                self._on_protect(walker)
+        while walker is not root:
+            if not walker.full_lock:
+                lru.remove(walker.full_link)
+                protected += len(walker.key)
             walker.full_lock += 1
             walker = walker.parent
+        self.evictable_tokens -= protected
+        self.protected_tokens += protected
         state_node = None
         if lock_state and node.state is not None:
             if node.state_lock == 0:
@@ -363,13 +376,17 @@ class HybridRadixTree:
                 self.state_lru.push_tail(state_node.state_link)
                 state_node.state_access = next(self._clock)
         now = next(self._clock)
+        root, lru, released = self.root, self.full_lru, 0
         walker = node
-        while walker is not self.root:
+        while walker is not root:
             walker.full_lock -= 1
-            if walker.full_lock == 0:
-                self._on_unprotect(walker)
+            if not walker.full_lock:
+                lru.push_tail(walker.full_link)
+                released += len(walker.key)
                 walker.last_access = now
             walker = walker.parent
+        self.evictable_tokens += released
+        self.protected_tokens -= released
         if self.eviction.observes_nodes:
             self._notify_path(node)
         self._remove_if_dead_tombstone(node)
@@ -459,15 +476,15 @@ class HybridRadixTree:
 
     def _common_len(self, edge: array, key: array, pos: int) -> int:
         limit = min(len(edge), len(key) - pos)
-        if edge[:limit] == key[pos : pos + limit]:
-            common = limit
-        else:
-            start = 0
-            while edge[start : start + _COMPARE_CHUNK] == key[pos + start : pos + start + _COMPARE_CHUNK]:
-                start += _COMPARE_CHUNK
-            common = start
-            while edge[common] == key[pos + common]:
-                common += 1
+        if (edge if limit == len(edge) else edge[:limit]) == key[pos : pos + limit]:
+            # Edges and aligned keys are whole pages, so a full match needs no flooring.
+            return limit
+        start = 0
+        while edge[start : start + _COMPARE_CHUNK] == key[pos + start : pos + start + _COMPARE_CHUNK]:
+            start += _COMPARE_CHUNK
+        common = start
+        while edge[common] == key[pos + common]:
+            common += 1
         return common - common % self.page_size
 
     def _new_node(self, key: array, kv: Any, parent: Node, end: int, namespace: Hashable) -> Node:
@@ -540,20 +557,22 @@ class HybridRadixTree:
         """Delete ``node`` and then its ancestors while each is an unlocked stateless leaf."""
         if self.keep_stateless_leaves:
             return
-        result = result or EvictResult()
-        while node is not self.root and not node.children and node.state is None and node.full_lock == 0:
+        root = self.root
+        while node is not root and not node.children and node.state is None and not node.full_lock:
+            if result is None:
+                result = EvictResult()
             node = self._unlink_leaf(node, result)
 
     # ------------------------------------------------------------------ internals: LRU and counters
 
     def _touch_path(self, node: Node) -> None:
         now = next(self._clock)
-        lru = self.full_lru
+        root, move_to_tail = self.root, self.full_lru.move_to_tail
         observes = self.eviction.observes_nodes
-        while node is not self.root:
+        while node is not root:
             node.last_access = now
-            if node.full_link.linked:
-                lru.move_to_tail(node.full_link)
+            if not node.full_lock:
+                move_to_tail(node.full_link)
             if observes:
                 self.eviction.node_changed(node)
             node = node.parent
@@ -564,16 +583,6 @@ class HybridRadixTree:
             self.state_lru.move_to_tail(node.state_link)
         if self.eviction.observes_nodes:
             self.eviction.node_changed(node)
-
-    def _on_protect(self, node: Node) -> None:
-        self.full_lru.remove(node.full_link)
-        self.evictable_tokens -= len(node.key)
-        self.protected_tokens += len(node.key)
-
-    def _on_unprotect(self, node: Node) -> None:
-        self.full_lru.push_tail(node.full_link)
-        self.evictable_tokens += len(node.key)
-        self.protected_tokens -= len(node.key)
 
     def _notify_path(self, node: Node) -> None:
         while node is not self.root:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -176,10 +175,6 @@ class HybridPrefixCache(BasePrefixCache):
                 page_size=self.page_size,
                 state_chunk_size=chunk,
             )
-        # Each request's tokens as one tuple, extended as it grows: the tree keys on tuples, and converting a
-        # request's token array again for every match and insert would dominate their cost. Keyed weakly by the
-        # request, so that requests that never finish (aborted in the queue) leave nothing behind.
-        self._request_tokens: weakref.WeakKeyDictionary[Req, array] = weakref.WeakKeyDictionary()
         self._receipts = itertools.count(1)
         self._locks: dict[int, PathLock] = {}
         self._node_receipts: dict[Node, list[int]] = {}
@@ -288,19 +283,17 @@ class HybridPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ insert paths
 
-    def _tokens(self, req: Req, length: int) -> array:
-        """``(req.origin_input_ids + req.output_ids)[:length]`` as the tree's ``array('q')`` key, converting each
-        token once per request."""
-        known = self._request_tokens.get(req)
-        if known is None:
-            known = self._request_tokens[req] = array("q")
-        if len(known) < length:
-            origin = req.origin_input_ids
-            if len(known) < len(origin):
-                known.extend(origin[len(known) : length].tolist())
-            if length > len(origin):
-                known.extend(req.output_ids[len(known) - len(origin) : length - len(origin)])
-        return known[:length]
+    @staticmethod
+    def _tokens(req: Req, length: int) -> array:
+        """``(req.origin_input_ids + req.output_ids)[:length]`` as the tree's key. SGLang 0.5.20 keeps both as
+        ``array('q')``, the tree's key type, so this is at most one slice and one concatenation (memory copies,
+        no per-token conversion); the tree neither keeps nor changes the array it is given."""
+        origin = req.origin_input_ids
+        if length == len(origin):
+            return origin
+        if length < len(origin):
+            return origin[:length]
+        return origin + req.output_ids[: length - len(origin)]
 
     def _request_row(self, req: Req, length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :length]
@@ -339,23 +332,29 @@ class HybridPrefixCache(BasePrefixCache):
             pool.mamba_pool.copy_from(pool.translate_mamba_indices(req.kv.mamba_pool_idx.unsqueeze(0)),
                                       pool.translate_mamba_indices(state))
 
-        row = self._request_row(req, fill_len)
         protected = req.kv.cache_protected_len
-        kv = row[:state_len].to(dtype=torch.int64, copy=True)
+        # One int64 copy of the row serves twice: the tree keeps views of [prefix_len, state_len) of it as its
+        # nodes' KV, and the request keeps it as its prefix indices (neither side writes into it).
+        indices = self._request_row(req, fill_len).to(dtype=torch.int64, copy=True)
+        kv = indices[:state_len]
         result = self.tree.insert(self._tokens(req, state_len), kv, state, _namespace(req.extra_key, req.cache_salt),
                                   lock=True)
         if not result.state_taken:
             pool.mamba_allocator.free(state)
         if result.prefix_len > protected:
             # Another request cached [protected, prefix_len) meanwhile: the request switches to the tree's KV
-            # there and frees its own copy. Beyond prefix_len the tree took the request's own slots.
-            tree_kv = torch.cat(self.tree.path_kv(result.node))[protected : result.prefix_len]
-            pool.write((req.kv.req_pool_idx, slice(protected, result.prefix_len)), tree_kv)
+            # there and frees its own copy. Beyond prefix_len the tree took the request's own slots. The tree's
+            # path KV equals the request's row before ``protected`` (the request reuses that prefix), so the
+            # path followed by the row's tail is the row after the switch.
+            path_kv = torch.cat(self.tree.path_kv(result.node))
+            pool.write((req.kv.req_pool_idx, slice(protected, result.prefix_len)),
+                       path_kv[protected : result.prefix_len])
             self.pools.free_kv(kv[protected : result.prefix_len])
+            indices = path_kv if len(path_kv) == fill_len else torch.cat((path_kv, indices[len(path_kv) :]))
         self._release_request_lock(req)
         req.last_node = result.node
-        req.lock_receipt = self._register_lock(result.lock).to_dec_params()
-        req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+        req.lock_receipt = DecLockRefParams(node_id=self._register_lock(result.lock))
+        req.prefix_indices = indices
         req.kv.cache_protected_len = result.inserted_len
         req.kv.mamba_last_track_seqlen = None
 
@@ -380,7 +379,7 @@ class HybridPrefixCache(BasePrefixCache):
                 else:
                     state = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
                 token_ids = self._tokens(req, state_len)
-                kv = row[:state_len].to(dtype=torch.int64, copy=True)
+                kv = (row if state_len == kv_len_to_handle else row[:state_len]).to(dtype=torch.int64, copy=True)
                 result = self.tree.insert(token_ids, kv, state, _namespace(req.extra_key, req.cache_salt))
                 self._free_duplicates(kv, protected, result.prefix_len)
                 owned_from = max(result.inserted_len, protected)
@@ -391,7 +390,6 @@ class HybridPrefixCache(BasePrefixCache):
             else:
                 owned_from = protected
             self._free_kv_range(row, owned_from, kv_len_to_handle)
-        self._request_tokens.pop(req, None)
         if is_insert and self.tuning is not None:
             self.tuning.observe(req.origin_input_ids, req.output_ids)
         if donated_live_slot:
@@ -433,18 +431,27 @@ class HybridPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ locks
 
-    def _register_lock(self, path_lock: PathLock) -> IncLockRefResult:
+    def _register_lock(self, path_lock: PathLock) -> int:
+        """Files the lock and returns its receipt number."""
         receipt = next(self._receipts)
         self._locks[receipt] = path_lock
-        self._node_receipts.setdefault(path_lock.node, []).append(receipt)
-        return IncLockRefResult(node_id=receipt)
+        receipts = self._node_receipts.get(path_lock.node)
+        if receipts is None:
+            self._node_receipts[path_lock.node] = [receipt]
+        else:
+            receipts.append(receipt)
+        return receipt
 
     def inc_lock_ref(self, node: Node) -> IncLockRefResult:
         """Protect the KV of root..node and the node's state; the receipt releases exactly this lock."""
-        return self._register_lock(self.tree.lock(node))
+        return IncLockRefResult(node_id=self._register_lock(self.tree.lock(node)))
 
     def dec_lock_ref(self, node: Node, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        receipt = params.node_id if params is not None else None
+        self._release_lock(node, params.node_id if params is not None else None)
+        return DecLockRefResult()
+
+    def _release_lock(self, node: Node, receipt: int | None) -> None:
+        """Release the lock with ``receipt`` on ``node``, or without a receipt the newest lock on it."""
         receipts = self._node_receipts.get(node)
         if receipt is None:
             if not receipts:
@@ -460,11 +467,10 @@ class HybridPrefixCache(BasePrefixCache):
         if not receipts:
             del self._node_receipts[node]
         self.tree.unlock(path_lock)
-        return DecLockRefResult()
 
     def _release_request_lock(self, req: Req) -> None:
         receipt = getattr(req, "lock_receipt", None)
-        self.dec_lock_ref(req.last_node, receipt if receipt is not None and receipt.node_id is not None else None)
+        self._release_lock(req.last_node, receipt.node_id if receipt is not None else None)
         req.lock_receipt = DecLockRefParams()
 
     @property
