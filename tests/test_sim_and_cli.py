@@ -72,3 +72,14 @@ def test_cli_bench_writes_one_record_per_backend_and_size(tmp_path, capsys):
     for record in records:
         assert set(RECORD_KEYS) <= set(record)
     assert "token hit rate (%)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", [None, "split", "unified"])
+def test_baselines_keep_their_engines_memory_and_ours_follow_layout(tmp_path, layout):
+    out = tmp_path / "out.json"
+    args = ["bench", "--cache-gb", "1", "--backends", "vllm-align,upstream-mamba,marconi/lru", "--json", str(out),
+            "--no-progress"]
+    code = main(args + (["--layout", layout] if layout else []))
+    assert code == 0
+    layouts = {record["backend"]: record["memory_layout"] for record in json.loads(out.read_text())}
+    assert layouts == {"vllm-align": "vllm", "upstream-mamba": "split", "marconi/lru": layout or "vllm"}

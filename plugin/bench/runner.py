@@ -26,7 +26,7 @@ class BenchOptions:
     cache_gb: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0])
     backends: list[str] = field(default_factory=lambda: ["mamba-radix", "marconi"])
     engine: str = "sim"
-    layout: str = "split"
+    layout: str = "vllm"
     seed: int = 0
     overlap: bool = False
     vllm_block_align: int = 16
@@ -46,6 +46,8 @@ class BenchReport:
         backends = list(dict.fromkeys(r["backend"] for r in self.records))
         by_key = {(r["backend"], r["cache_gb"]): r for r in self.records}
         head = f"token hit rate (%), trace={self.options.trace}, model={self.spec.name}, engine={self.options.engine}"
+        if self.options.engine == "sim":
+            head += f", our backends in {self.options.layout!r} memory"
         lines = [head, f"{'backend':<16}" + "".join(f"{f'{gb:g} GB':>10}" for gb in sizes)]
         for backend in backends:
             cells = []
@@ -114,6 +116,7 @@ def _sim_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]
                 records.append({
                     "backend": backend,
                     "cache_gb": gb,
+                    "memory_layout": simulator.memory.layout,
                     "token_hit_rate": result.token_hit_rate,
                     "state_hit_rate": result.state_hit_rate,
                     "flops_saved": result.flops_saved,

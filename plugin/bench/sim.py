@@ -158,7 +158,7 @@ class SimSettings:
     max_in_flight: int | None = None
     tune_window: int = 600
     tune_every: int = 100
-    alpha_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
+    alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.25, 0.5, 1.0)
     tune_relative_margin: float = 0.01
 
 
@@ -466,7 +466,7 @@ class VllmAlignAdmission:
 BASELINES = ("vllm-align", "upstream-mamba")
 
 
-def build_simulator(backend_name: str, spec: ModelSpec, cache_bytes: int, *, layout: str = "split",
+def build_simulator(backend_name: str, spec: ModelSpec, cache_bytes: int, *, layout: str = "vllm",
                     settings: SimSettings = SimSettings(), state_ratio: float = 0.9,
                     vllm_block_align: int = 16) -> CacheSimulator:
     """The simulator for a baseline (``vllm-align``, ``upstream-mamba``) or a registered backend / pair."""
