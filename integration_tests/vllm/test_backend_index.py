@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hybrid_prefix_cache.adapters.vllm.block_index import (
     DEAD,
     SCORED,
+    SUBSUMED,
     BlockCacheIndex,
     BlockCosts,
     RequestRecord,
@@ -143,6 +146,67 @@ def test_positive_alpha_keeps_the_node_that_saves_more_flops_per_byte() -> None:
     assert index.pick_victim() == next(iter(deep.values()))
 
 
+def two_turns_after_another_session(
+    alpha: float,
+) -> tuple[BlockCacheIndex, dict[str, int], dict[str, int], dict[str, int]]:
+    """An older session ("o"), then a conversation: turn 1 caches ``a b`` and its state at ``b``, turn 2 hits
+    it and caches ``c d`` with its state at ``d`` (parent: the state at ``b``). Every block released as vLLM
+    does (states, then FA tail first); returns the index and the blocks of the older session, turn 1, turn 2."""
+    index = new_index(alpha=alpha)
+    older = cache_chain(index, 1, ["o0", "o1"], state_at=1)
+    index.assign_states(["o0", "o1"], [(1, 0)])
+    release_all(index, [older["state1"], older["state2"], older["o1"], older["o0"]])
+    first = cache_chain(index, 10, ["a", "b"], state_at=1)
+    index.assign_states(["a", "b"], [(1, 0)])
+    release_all(index, [first["state1"], first["state2"], first["b"], first["a"]])
+    for block_id in first.values():
+        index.acquire(block_id)
+    second = cache_chain(index, 20, ["c", "d"], state_at=1)
+    index.link_parent(second["c"], first["b"])
+    index.assign_states(["a", "b", "c", "d"], [(3, 2 * BLOCK)])
+    release_all(
+        index,
+        [second["state1"], second["state2"], first["state1"], first["state2"], second["d"], second["c"],
+         first["b"], first["a"]],
+    )
+    return index, older, first, second
+
+
+def test_positive_alpha_drops_the_previous_turns_state_before_an_older_session() -> None:
+    index, older, first, _ = two_turns_after_another_session(alpha=1.0)
+    turn_one_state = {first["state1"], first["state2"]}
+    assert {index.candidate_of(block_id) for block_id in turn_one_state} == {SUBSUMED}
+    assert index.num_subsumed() == 2
+    order = drain(index)
+    # Turn 1's state goes whole and first; its FA blocks stay, turn 2's hit needs them.
+    assert set(order[:2]) == turn_one_state
+    assert order.index(first["a"]) > order.index(older["o0"])
+
+
+def test_alpha_zero_ignores_subsumption_and_keeps_lru_order() -> None:
+    index, older, first, _ = two_turns_after_another_session(alpha=0.0)
+    order = drain(index)
+    assert order[:4] == [older["state1"], older["state2"], older["o1"], older["o0"]]
+    assert order.index(first["state1"]) > 3
+
+
+def test_a_branch_point_or_a_lost_child_state_is_not_subsumed() -> None:
+    index, _, first, second = two_turns_after_another_session(alpha=1.0)
+    fork = cache_chain(index, 30, ["x"], state_at=None)
+    index.link_parent(fork["x"], first["b"])
+    # Two paths leave the state at b: a request may diverge there.
+    assert index.candidate_of(first["state1"]) == SCORED
+    index.acquire(fork["x"])
+    index.drop(fork["x"])
+    assert index.candidate_of(first["state1"]) == SUBSUMED
+    assert index.pick_victim() in (first["state1"], first["state2"])
+    # Turn 2's state loses a block: turn 1's is the deepest complete state on the path again.
+    index.acquire(second["state2"])
+    index.drop(second["state2"])
+    assert index.num_subsumed() == 0
+    assert index.candidate_of(first["state1"]) == SCORED
+
+
 def test_reset_forgets_every_key() -> None:
     index = new_index()
     ids = cache_chain(index, 1, ["a", "b"], state_at=1)
@@ -190,3 +254,51 @@ def test_shadow_hits_sum_over_the_window() -> None:
         costs=costs(), alpha=0.0,
     )
     assert total == 2 * 2 * BLOCK
+
+
+def test_shadow_sees_the_gain_of_dropping_subsumed_states() -> None:
+    other_session = RequestRecord(keys=("b0", "b1"), max_hit_blocks=1, states=((1, 0),))
+    turn_one = RequestRecord(keys=("a0", "a1"), max_hit_blocks=1, states=((1, 0),))
+    turn_two = RequestRecord(keys=("a0", "a1", "a2", "a3"), max_hit_blocks=3, states=((3, 2 * BLOCK),))
+    newcomer = RequestRecord(keys=("c0", "c1"), max_hit_blocks=1, states=((1, 0),))
+    other_session_again = RequestRecord(keys=("b0", "b1", "b2", "b3"), max_hit_blocks=3, states=((3, 2 * BLOCK),))
+    window = [other_session, turn_one, turn_two, newcomer, other_session_again]
+    # 14 blocks: the newcomer evicts two. LRU takes the other session's state; subsumed-first turn 1's.
+    hits = {
+        alpha: shadow_hits(
+            window, num_blocks=14, block_size=BLOCK, fa_groups=(FA_GROUP,), state_groups=STATE_GROUPS,
+            costs=costs(), alpha=alpha,
+        )
+        for alpha in (0.0, 1.0)
+    }
+    assert hits == {0.0: 2 * BLOCK, 1.0: 4 * BLOCK}
+
+
+def conversations(rng: random.Random, sessions: int, requests: int) -> list[RequestRecord]:
+    """Interleaved multi-turn sessions as the pool records them (each turn extends the previous one and resumes
+    from its state), some forking a session's history into a new branch."""
+    histories: dict[int, list[str]] = {}
+    records = []
+    for request in range(requests):
+        session = rng.randrange(sessions)
+        history = histories.get(session, [])
+        if history and rng.random() < 0.2:
+            history = history[: rng.randrange(1, len(history) + 1)]
+            session = sessions + request
+        keys = history + [f"{session}:{request}:{offset}" for offset in range(rng.randrange(1, 4))]
+        records.append(RequestRecord(tuple(keys), len(keys) - 1, ((len(keys) - 1, len(history) * BLOCK),)))
+        histories[session] = keys
+    return records
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_subsumption_bookkeeping_matches_a_recount_under_eviction(seed: int) -> None:
+    rng = random.Random(seed)
+    index = new_index(num_blocks=40, alpha=1.0)
+    shadow = ShadowCache(index, BLOCK)
+    subsumed_seen = 0
+    for record in conversations(rng, sessions=5, requests=120):
+        shadow.serve(record)
+        index.check_invariants()
+        subsumed_seen += index.num_subsumed()
+    assert subsumed_seen

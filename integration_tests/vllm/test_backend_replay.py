@@ -160,6 +160,33 @@ def test_marconi_at_alpha_zero_evicts_exactly_like_lru(tiny_hf_config: dict[str,
     assert hits(flop) == hits(lru)
 
 
+def test_earlier_turns_states_are_subsumed_and_go_first_once_alpha_is_positive(
+    tiny_hf_config: dict[str, Any],
+) -> None:
+    _, scheduler = run(multi_turn_trace(seed=12, sessions=1, turns=3), tiny_hf_config, 256 * MIB, "marconi")
+    index = scheduler.kv_cache_manager.block_pool.index
+    index.check_invariants()
+    # Turns 2 and 3 resumed from the previous turn's final state: turns 1 and 2 left subsumed states.
+    assert index.num_subsumed() == 2 * len(index.state_groups)
+
+    def force_alpha(scheduler: Any) -> None:
+        scheduler.kv_cache_manager.block_pool.index.alpha = 1.0
+
+    options = EngineOptions(max_num_batched_tokens=2048, additional_config={"prefix_cache_tune_every": 10**6})
+    trace = multi_turn_trace(seed=6, sessions=5, turns=4)
+    schedulers: list[Any] = []
+    result = replay_with_backend(
+        trace, tiny_hf_config, 8 * MIB, "marconi", options=options,
+        on_scheduler=lambda scheduler: (force_alpha(scheduler), schedulers.append(scheduler)),
+    )
+    pool = schedulers[0].kv_cache_manager.block_pool
+    assert pool.index.alpha == 1.0
+    assert result["evicted_blocks_by_reason"].get("subsumed", 0) > 0
+    pool.index.check_invariants()
+    assert not pool_problems(pool)
+    assert result["free_blocks_final"] == result["free_blocks_initial"]
+
+
 def test_the_tuner_replays_windows_and_never_picks_a_loser(tiny_hf_config: dict[str, Any]) -> None:
     trace = multi_turn_trace(seed=7, sessions=6, turns=4)
     options = EngineOptions(

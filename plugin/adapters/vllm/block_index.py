@@ -20,10 +20,22 @@ candidate set, :class:`~hybrid_prefix_cache.policies.eviction.FlopAwareEviction`
   holds; an FA block that no cached FA block continues and that has no complete state at its boundary; a
   state block whose boundary lacks a block of some Mamba or FA group. FA blocks covered by no state score 0.
 
+Subsumed states go first, as in the tree policy. A state is *subsumed* when its boundary has exactly one
+cached FA continuation (it is not a branch point) and one of its child nodes (a node whose parent state it is)
+has a complete state with its FA blocks at that boundary: a request that continues along the path, such as the
+next turn of the conversation, resumes from the child's state, so dropping the parent's loses nothing for it.
+For ``alpha > 0`` :meth:`BlockCacheIndex.pick_victim` takes the oldest free subsumed state block before scoring
+anything (every state block of the boundary is subsumed, so the whole state goes together); without this a
+multi-turn session keeps one state per past turn. The node's FA blocks stay where they are: the child's hit
+needs them. ``alpha == 0`` ignores the rule, so it stays vLLM's LRU. The child's completeness is read at its
+boundary only (O(G) per change): a missing FA block between the two states makes the child unreachable while
+the parent still counts as subsumed (rare: the FA blocks between them form one node with one efficiency, and
+vLLM releases a chain tail first, so a chain loses its end first).
+
 Eviction is per block, as vLLM frees memory, rather than Marconi's per node, and node efficiencies are fixed
 when the request that cached the node finishes (Marconi recomputes a child's when its parent's state is
 evicted). Each operation costs O(G) for G KV-cache groups plus O(log n) heap work; a pick
-O(buckets + log n).
+O(buckets + log n); :meth:`BlockCacheIndex.assign_node` O(G) per boundary of the node.
 
 :class:`ShadowCache` replays :class:`RequestRecord` windows through a fresh index for
 :class:`~hybrid_prefix_cache.policies.tuning.AlphaTuner` (see its docstring for what it models).
@@ -42,6 +54,7 @@ FA = "fa"
 STATE = "state"
 DEAD = "dead"
 SCORED = "scored"
+SUBSUMED = "subsumed"
 
 
 class CostModel(Protocol):
@@ -94,7 +107,7 @@ class BlockCosts:
 class _Slot:
     """Side-table entry of one block id (vLLM's ``KVCacheBlock`` has ``__slots__``: no room for ours)."""
 
-    __slots__ = ("candidate", "efficiency", "free", "group", "key", "kind", "member", "recency")
+    __slots__ = ("candidate", "efficiency", "free", "group", "key", "kind", "member", "recency", "subsumed_member")
 
     def __init__(self) -> None:
         self.kind: str | None = None
@@ -105,17 +118,20 @@ class _Slot:
         self.efficiency = 0.0
         self.candidate: str | None = None
         self.member = None
+        self.subsumed_member = None
 
 
 class _Position:
     """The cached blocks of one boundary, by group (several blocks of a group are identical copies)."""
 
-    __slots__ = ("efficiency", "fa", "states")
+    __slots__ = ("complete", "efficiency", "fa", "states")
 
     def __init__(self) -> None:
         self.fa: dict[int, list[int]] = {}
         self.states: dict[int, list[int]] = {}
         self.efficiency = 0.0
+        # Every state group and every FA group has a block here: a hit can end at this boundary.
+        self.complete = False
 
 
 class BlockCacheIndex:
@@ -123,9 +139,10 @@ class BlockCacheIndex:
 
     Block ids are ``0 .. num_blocks - 1``; ``fa_groups`` and ``state_groups`` are the KV-cache group ids of
     each kind. The engine reports every change: :meth:`admit` (a block got its prefix-cache key),
-    :meth:`link_parent` (an FA block continues another), :meth:`assign_node` (a finished request's state and
-    the FA boundaries since its parent), :meth:`drop` (a block lost its key), :meth:`release` (its reference
-    count reached 0) and :meth:`acquire` (a free block was hit or handed out).
+    :meth:`link_parent` (an FA block continues another), :meth:`assign_node` / :meth:`assign_states` (a
+    finished request's states, the FA boundaries since their parents and the parents' boundaries),
+    :meth:`drop` (a block lost its key), :meth:`release` (its reference count reached 0) and :meth:`acquire`
+    (a free block was hit or handed out).
     """
 
     def __init__(
@@ -159,7 +176,15 @@ class BlockCacheIndex:
         # parent while the key is cached, and the child keys that have an FA block cached.
         self._parent_of: dict[Hashable, Hashable] = {}
         self._children: dict[Hashable, set[Hashable]] = {}
+        # Marconi's tree between states, per state boundary: the parent state's boundary of the node ending
+        # there, and per parent its child nodes' boundaries and how many of them are complete. Kept while the
+        # child boundary is cached, so a parent that is cached again finds its children.
+        self._node_parent: dict[Hashable, Hashable] = {}
+        self._node_children: dict[Hashable, set[Hashable]] = {}
+        self._complete_children: dict[Hashable, int] = {}
         self._candidates = _CandidateSet()
+        # The free subsumed state blocks (also in ``_candidates``, which alone orders alpha == 0).
+        self._subsumed = _CandidateSet()
 
     @property
     def alpha(self) -> float:
@@ -195,6 +220,7 @@ class BlockCacheIndex:
         if kind == FA and not had_fa:
             self._fa_appeared(key)
         self._refresh(key)
+        self._update_complete(key, position)
 
     def link_parent(self, block_id: int, parent_id: int) -> None:
         """FA block ``block_id`` continues FA block ``parent_id`` (the previous block of the same chain)."""
@@ -204,9 +230,12 @@ class BlockCacheIndex:
         self._parent_of[slot.key] = parent.key
         self._fa_appeared(slot.key)
 
-    def assign_node(self, keys: Sequence[Hashable], efficiency: float) -> None:
-        """The boundaries ``keys`` (a state's and those of the FA blocks since its parent) form one node of
-        Marconi's tree with this ``efficiency``; their cached blocks take it."""
+    def assign_node(self, keys: Sequence[Hashable], efficiency: float, parent_key: Hashable = None) -> None:
+        """The boundaries ``keys`` (those of the FA blocks since the parent state, ending with the state's) form
+        one node of Marconi's tree with this ``efficiency``; their cached blocks take it. ``parent_key`` is the
+        parent state's boundary (None: the node starts at the root)."""
+        if keys and parent_key is not None:
+            self._link_node(keys[-1], parent_key)
         for key in keys:
             position = self._positions.get(key)
             if position is None or position.efficiency == efficiency:
@@ -216,6 +245,18 @@ class BlockCacheIndex:
                 for block_id in blocks:
                     self._slots[block_id].efficiency = efficiency
             self._refresh(key)
+
+    def assign_states(self, keys: Sequence[Hashable], states: Sequence[tuple[int, int]]) -> None:
+        """A request whose full blocks have the boundaries ``keys`` left the states ``(block index, parent state
+        end in tokens)``: each becomes a node (:meth:`assign_node`) with Marconi's efficiency."""
+        block_size = self.costs.block_size
+        for position, parent_end in states:
+            if position >= len(keys):
+                continue
+            efficiency = self.costs.node_efficiency(parent_end, (position + 1) * block_size)
+            parent_blocks = parent_end // block_size
+            parent_key = keys[parent_blocks - 1] if 0 < parent_blocks <= position else None
+            self.assign_node(node_keys(keys, position, parent_end, block_size), efficiency, parent_key)
 
     def drop(self, block_id: int) -> None:
         """Block ``block_id`` lost its key (evicted, overwritten, or un-cached by the admission policy)."""
@@ -238,9 +279,11 @@ class BlockCacheIndex:
                 if not siblings:
                     del self._children[parent_key]
                 self._refresh(parent_key)
+        self._update_complete(key, position)
         if not position.fa and not position.states:
             del self._positions[key]
             self._parent_of.pop(key, None)
+            self._unlink_node(key)
         else:
             self._refresh(key)
 
@@ -262,13 +305,15 @@ class BlockCacheIndex:
         """Every key is gone (vLLM's ``reset_prefix_cache``); free/in-use status is kept."""
         for slot in self._slots:
             slot.kind, slot.key, slot.group, slot.efficiency = None, None, -1, 0.0
-            slot.candidate, slot.member = None, None
+            slot.candidate, slot.member, slot.subsumed_member = None, None, None
         self._reset_keys()
 
     # ------------------------------------------------------------------ picks and inspection
 
     def pick_victim(self) -> int | None:
         """The free cached block to overwrite next, or None when no free block is cached."""
+        if self.alpha and self._subsumed.size:
+            return self._subsumed.pick(0.0)
         return self._candidates.pick(self.alpha)
 
     def is_cached(self, block_id: int) -> bool:
@@ -278,7 +323,7 @@ class BlockCacheIndex:
         return self._slots[block_id].free
 
     def candidate_of(self, block_id: int) -> str | None:
-        """``dead``, ``scored`` or None (in use or not cached)."""
+        """``subsumed``, ``dead``, ``scored`` or None (in use or not cached)."""
         return self._slots[block_id].candidate
 
     def efficiency_of(self, block_id: int) -> float:
@@ -286,6 +331,33 @@ class BlockCacheIndex:
 
     def num_candidates(self) -> int:
         return self._candidates.size
+
+    def num_subsumed(self) -> int:
+        return self._subsumed.size
+
+    def check_invariants(self) -> None:
+        """Recompute the node relations' counts and every block's class from scratch and compare; O(n), for
+        tests."""
+        for key, position in self._positions.items():
+            complete = len(position.states) == len(self.state_groups) and len(position.fa) == len(self.fa_groups)
+            assert position.complete == complete, f"{key!r}: complete flag {position.complete}, expected {complete}"
+        for key, parent_key in self._node_parent.items():
+            assert key in self._positions, f"{key!r}: node parent kept after its blocks are gone"
+            assert key in self._node_children.get(parent_key, ()), f"{key!r}: missing from its parent's children"
+        assert set(self._complete_children) == set(self._node_children), "child counts and child sets disagree"
+        for parent_key, children in self._node_children.items():
+            assert all(self._node_parent.get(child) == parent_key for child in children), f"{parent_key!r}: stale child"
+            complete = sum(self._positions[child].complete for child in children)
+            held = self._complete_children[parent_key]
+            assert held == complete, f"{parent_key!r}: {held} complete children counted, {complete} found"
+        subsumed = 0
+        for block_id, slot in enumerate(self._slots):
+            wanted = self._wanted(block_id)
+            assert slot.candidate == wanted, f"block {block_id}: class {slot.candidate}, expected {wanted}"
+            assert (slot.member is not None) == (wanted is not None), f"block {block_id}: candidate membership"
+            assert (slot.subsumed_member is not None) == (wanted == SUBSUMED), f"block {block_id}: subsumed membership"
+            subsumed += wanted == SUBSUMED
+        assert self._subsumed.size == subsumed, f"{self._subsumed.size} subsumed members, {subsumed} expected"
 
     # ------------------------------------------------------------------ classification
 
@@ -298,6 +370,50 @@ class BlockCacheIndex:
         if key not in children:
             children.add(key)
             self._refresh(parent_key)
+
+    def _update_complete(self, key: Hashable, position: _Position) -> None:
+        complete = len(position.states) == len(self.state_groups) and len(position.fa) == len(self.fa_groups)
+        if complete != position.complete:
+            position.complete = complete
+            parent_key = self._node_parent.get(key)
+            if parent_key is not None:
+                self._count_complete_child(parent_key, 1 if complete else -1)
+
+    def _count_complete_child(self, parent_key: Hashable, delta: int) -> None:
+        before = self._complete_children.get(parent_key, 0)
+        self._complete_children[parent_key] = before + delta
+        if (before > 0) != (before + delta > 0):
+            self._refresh(parent_key)
+
+    def _link_node(self, key: Hashable, parent_key: Hashable) -> None:
+        """The node whose state is at ``key`` has its parent state at ``parent_key``."""
+        position = self._positions.get(key)
+        if position is None or key == parent_key or self._node_parent.get(key) == parent_key:
+            return
+        self._unlink_node(key)
+        self._node_parent[key] = parent_key
+        self._node_children.setdefault(parent_key, set()).add(key)
+        self._complete_children.setdefault(parent_key, 0)
+        if position.complete:
+            self._count_complete_child(parent_key, 1)
+
+    def _unlink_node(self, key: Hashable) -> None:
+        parent_key = self._node_parent.pop(key, None)
+        if parent_key is None:
+            return
+        position = self._positions.get(key)
+        if position is not None and position.complete:
+            self._count_complete_child(parent_key, -1)
+        siblings = self._node_children[parent_key]
+        siblings.discard(key)
+        if not siblings:
+            del self._node_children[parent_key]
+            del self._complete_children[parent_key]
+
+    def _subsumed_at(self, key: Hashable) -> bool:
+        """Whether the state at ``key`` lies on one path only and a child node there has a complete state."""
+        continuations = self._children.get(key)
+        return self._complete_children.get(key, 0) > 0 and continuations is not None and len(continuations) == 1
 
     def _refresh(self, key: Hashable) -> None:
         position = self._positions.get(key)
@@ -327,6 +443,8 @@ class BlockCacheIndex:
         if not slot.free or slot.kind is None:
             return None
         position = self._positions[slot.key]
+        if slot.kind == STATE and self._subsumed_at(slot.key):
+            return SUBSUMED
         copies = (position.states if slot.kind == STATE else position.fa)[slot.group]
         if len(copies) > 1 and self._kept_copy(copies) != block_id:
             return DEAD
@@ -341,17 +459,21 @@ class BlockCacheIndex:
         if wanted is None:
             self._unplace(block_id)
             return
-        # A block no hit can use saves nothing.
+        # A block no hit can use saves nothing, nor does a subsumed state while its child is cached.
         efficiency = slot.efficiency if wanted == SCORED else 0.0
         bucket = self._policy.bucket_of(efficiency)
         slot.member = self._candidates.place(slot.member, True, block_id, slot.recency, efficiency, bucket)
+        slot.subsumed_member = self._subsumed.place(
+            slot.subsumed_member, wanted == SUBSUMED, block_id, slot.recency, 0.0, 0
+        )
         slot.candidate = wanted
 
     def _unplace(self, block_id: int) -> None:
         slot = self._slots[block_id]
         if slot.candidate is not None:
             self._candidates.place(slot.member, False, block_id, 0, 0.0, 0)
-        slot.candidate, slot.member = None, None
+            self._subsumed.place(slot.subsumed_member, False, block_id, 0, 0.0, 0)
+        slot.candidate, slot.member, slot.subsumed_member = None, None, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +503,9 @@ class ShadowCache:
     longest run of FA blocks (every FA group) capped at ``max_hit_blocks``, cut back to the deepest complete
     state in it, as vLLM's hybrid coordinator does; the request then holds its hit, caches its other FA blocks
     and its recorded states, allocating (and evicting) as needed, and releases them as vLLM does: states first
-    (vLLM frees a state block once decoding moved past it), then the FA blocks tail first. It does not model
+    (vLLM frees a state block once decoding moved past it), then the FA blocks tail first. The recorded states
+    become nodes whose parents are the states the engine resumed from, as in the pool, so with ``alpha > 0`` the
+    shadow drops subsumed states first too, and the tuner weighs that rule with the alpha. It does not model
     requests running concurrently (they only hold blocks longer), the running state a request computes in (one
     block per Mamba group) or states it cached and dropped before finishing.
     """
@@ -433,9 +557,7 @@ class ShadowCache:
                 for group in state_groups:
                     if self._cache(keys[position], group, state_held) is None:
                         break
-        for position, parent_end in record.states:
-            efficiency = self.index.costs.node_efficiency(parent_end, (position + 1) * self.block_size)
-            self.index.assign_node(node_keys(keys, position, parent_end, self.block_size), efficiency)
+        self.index.assign_states(keys, record.states)
         for block_id in (*state_held, *reversed(fa_held)):
             self.index.release(block_id)
         return hit * self.block_size

@@ -37,7 +37,6 @@ from hybrid_prefix_cache.adapters.vllm.block_index import (
     BlockCacheIndex,
     BlockCosts,
     RequestRecord,
-    node_keys,
     shadow_hits,
 )
 from hybrid_prefix_cache.policies.tuning import AlphaTuner
@@ -107,15 +106,12 @@ class HybridBlockPool(BlockPool):
         self, keys: Sequence[BlockHash], states: Sequence[tuple[int, int]], max_hit_blocks: int, finished: bool
     ) -> None:
         """A request left the scheduler: ``keys`` of its full blocks, ``states`` it left cached as ``(block
-        index, parent state end in tokens)``. Its Marconi nodes get their efficiency; a finished request (not a
-        preempted one) joins the alpha tuner's window (which may re-tune)."""
+        index, parent state end in tokens)``. Its Marconi nodes get their efficiency and their parent states
+        (which they may subsume); a finished request (not a preempted one) joins the alpha tuner's window
+        (which may re-tune)."""
         if self.index is None or self.layout is None:
             return
-        costs, block_size = self.index.costs, self.layout.block_size
-        for position, parent_end in states:
-            if position < len(keys):
-                efficiency = costs.node_efficiency(parent_end, (position + 1) * block_size)
-                self.index.assign_node(node_keys(keys, position, parent_end, block_size), efficiency)
+        self.index.assign_states(keys, states)
         if not finished or self.tuner is None:
             return
         self.tuner.observe(RequestRecord(tuple(keys), max_hit_blocks, tuple(states)))
