@@ -546,9 +546,9 @@ GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def test_guard_keeps_lru_when_it_wins_or_ties():
-    lru_wins = AlphaTuner(scripted({alpha: 100 - alpha for alpha in GRID}), retune_every=1)
+    lru_wins = AlphaTuner(scripted({alpha: 100 - alpha for alpha in GRID}), grid=GRID, retune_every=1)
     assert lru_wins.observe("r") == 0.0
-    all_tie = AlphaTuner(scripted(dict.fromkeys(GRID, 50)), retune_every=1)
+    all_tie = AlphaTuner(scripted(dict.fromkeys(GRID, 50)), grid=GRID, retune_every=1)
     assert all_tie.observe("r") == 0.0
     assert all_tie.history[0].hits == dict.fromkeys(GRID, 50.0)
 
@@ -556,7 +556,7 @@ def test_guard_keeps_lru_when_it_wins_or_ties():
 def test_guard_takes_a_tuned_alpha_only_when_it_strictly_beats_lru_by_the_margin():
     hits = {0.0: 100, 0.5: 100, 1.0: 104, 2.0: 106, 4.0: 106, 8.0: 90}
     def tuner(**options):
-        return AlphaTuner(scripted(hits), window=1, retune_every=1, **options)
+        return AlphaTuner(scripted(hits), grid=GRID, window=1, retune_every=1, **options)
 
     assert tuner().observe("r") == 2.0  # best; 4 ties with it, 2 is smaller
     assert tuner(margin=5).observe("r") == 2.0  # 106 > 100 + 5

@@ -37,6 +37,7 @@ from hybrid_prefix_cache.bench.traces import Request
 from hybrid_prefix_cache.core import EvictionPolicy, HybridRadixTree, LRUEviction
 from hybrid_prefix_cache.cost_model import ModelSpec
 from hybrid_prefix_cache.policies.admission import AdmissionPolicy, make_admission
+from hybrid_prefix_cache.policies.tuning import DEFAULT_ALPHA_GRID, AlphaTuner
 
 GIB = 1 << 30
 # SGLang's scheduler evicts states until 3 slots per admitted request are free (MAMBA_STATE_PER_REQ_PREFIX_CACHE).
@@ -158,7 +159,7 @@ class SimSettings:
     max_in_flight: int | None = None
     tune_window: int = 600
     tune_every: int = 100
-    alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.25, 0.5, 1.0)
+    alpha_grid: tuple[float, ...] = DEFAULT_ALPHA_GRID
     tune_relative_margin: float = 0.01
 
 
@@ -204,8 +205,6 @@ class CacheSimulator:
                                     keep_stateless_leaves=admission.caches_kv_without_state)
         self.tuner = None
         if tune:
-            from hybrid_prefix_cache.policies.tuning import AlphaTuner
-
             self._shadows = {
                 alpha: CacheSimulator(spec, memory, admission, make_eviction, settings=settings, alpha=alpha)
                 for alpha in settings.alpha_grid

@@ -80,12 +80,13 @@ class _Member:
         self.efficiency_stamp = -1
 
 
-class _CandidateSet:
+class CandidateSet:
     """The nodes eligible for one kind of pick, bucketed by efficiency and ordered by recency in each bucket.
 
     Heap entries are ``(key, stamp)`` pairs; ``_live`` maps the current stamps (a member holds one for its
     recency and one for its efficiency) to their member, so an entry whose stamp is gone is stale. Entries hold
-    no object references, which keeps them out of the garbage collector's traversals.
+    no object references, which keeps them out of the garbage collector's traversals. Members may be any
+    object, not only tree nodes: the vLLM adapter files cached blocks in one.
     """
 
     __slots__ = (
@@ -307,11 +308,11 @@ class FlopAwareEviction:
         self._alpha = float(value)
 
     def _reset(self) -> None:
-        self._leaves = _CandidateSet()
-        self._states = _CandidateSet()
-        self._victims = _CandidateSet()
-        self._branch_states = _CandidateSet()
-        self._subsumed_states = _CandidateSet()
+        self._leaves = CandidateSet()
+        self._states = CandidateSet()
+        self._victims = CandidateSet()
+        self._branch_states = CandidateSet()
+        self._subsumed_states = CandidateSet()
         # The tree stamps ``state_access`` after it has notified the touched path (match, insert), so the
         # stateful nodes of every touched path are re-read before the next pick.
         self._state_touch_suspects: set[Node] = set()
@@ -427,7 +428,7 @@ class FlopAwareEviction:
             for node in suspects:
                 self.node_changed(node)
 
-    def _candidate_set(self, kind: str) -> _CandidateSet:
+    def _candidate_set(self, kind: str) -> CandidateSet:
         self._refresh_state_touches()
         if kind == "leaf":
             return self._leaves

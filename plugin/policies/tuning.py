@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-DEFAULT_ALPHA_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+# 0.05: the subsumed-first rule of FlopAwareEviction with almost no weight on efficiency (docs/policies.md).
+DEFAULT_ALPHA_GRID: tuple[float, ...] = (0.0, 0.05, 0.25, 0.5, 1.0)
 
 RequestT = TypeVar("RequestT")
 

@@ -48,7 +48,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hybrid_prefix_cache.policies.eviction import DEFAULT_BUCKETS, FlopAwareEviction, _CandidateSet
+from hybrid_prefix_cache.policies.eviction import DEFAULT_BUCKETS, CandidateSet, FlopAwareEviction
 
 FA = "fa"
 STATE = "state"
@@ -182,9 +182,9 @@ class BlockCacheIndex:
         self._node_parent: dict[Hashable, Hashable] = {}
         self._node_children: dict[Hashable, set[Hashable]] = {}
         self._complete_children: dict[Hashable, int] = {}
-        self._candidates = _CandidateSet()
+        self._candidates = CandidateSet()
         # The free subsumed state blocks (also in ``_candidates``, which alone orders alpha == 0).
-        self._subsumed = _CandidateSet()
+        self._subsumed = CandidateSet()
 
     @property
     def alpha(self) -> float:
