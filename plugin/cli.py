@@ -95,7 +95,8 @@ def _cmd_serve_ab(args: argparse.Namespace) -> int:
             json.dump([{"server": r.name, "url": r.url, "requests": r.requests, "failed": r.failed,
                         "ttft_p50_ms": r.ttft_ms(0.5), "ttft_p95_ms": r.ttft_ms(0.95),
                         "output_tok_s": r.throughput_tok_s, "prompt_tokens": r.prompt_tokens,
-                        "cached_prompt_tokens": r.cached_prompt_tokens} for r in results], handle, indent=2)
+                        "cached_prompt_tokens": r.cached_prompt_tokens, "follow_ups": r.follow_ups,
+                        "trace_prompts": r.trace_prompts} for r in results], handle, indent=2)
     return 0 if all(r.requests for r in results) else 1
 
 

@@ -13,8 +13,9 @@ from hybrid_prefix_cache.bench.traces import Request
 from hybrid_prefix_cache.cli import main
 
 
-def make_server(cached_fraction: float):
-    """A streaming /v1/completions that reports a fixed fraction of the prompt as cached."""
+def make_server(cached_fraction: float, reply_token: int | None = None):
+    """A streaming /v1/completions that reports a fixed fraction of the prompt as cached; with ``reply_token``
+    it generates that token every step and streams its id (as vLLM does with ``return_token_ids``)."""
     seen: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -27,8 +28,9 @@ def make_server(cached_fraction: float):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
+            choice = {"text": "x"} if reply_token is None else {"text": "x", "token_ids": [reply_token]}
             for _ in range(body["max_tokens"]):
-                self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
                      "prompt_tokens_details": {"cached_tokens": int(cached_fraction * len(body["prompt"]))}}
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
@@ -65,6 +67,22 @@ def test_replay_reports_ttft_usage_and_keeps_session_order(servers):
     prompts = [body["prompt"] for body in seen]
     assert prompts.index([1, 2, 3, 4]) < prompts.index([1, 2, 3, 4, 9, 9, 5, 6])
     assert [0, 1] in prompts  # ids mapped into the vocabulary
+
+
+def test_follow_up_turns_carry_the_servers_own_reply():
+    server, seen = make_server(0.0, reply_token=42)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    trace = [*_trace(), Request("s2", 1, 0.02, (777, 2), (3,))]  # not an extension of turn 0: sent as traced
+    try:
+        result = replay_against("a", url, "tiny", trace, concurrency=1, time_scale=1.0, time_limit_s=30,
+                                vocab_size=100)
+    finally:
+        server.shutdown()
+    assert (result.requests, result.follow_ups, result.trace_prompts) == (4, 1, 1)
+    prompts = [body["prompt"] for body in seen]
+    assert [1, 2, 3, 4, 42, 42, 5, 6] in prompts  # the generated reply, not the trace's (9, 9)
+    assert [77, 2] in prompts
+    assert all(body["return_token_ids"] for body in seen)
 
 
 def test_cli_serve_ab_prints_both_servers_side_by_side(servers, tmp_path, capsys):

@@ -6,6 +6,13 @@ sent in order, each after the previous one finished; sessions start at their tra
 ``time_scale``; at most ``concurrency`` requests are in flight per server; the run stops sending at
 ``time_limit_s``. Reported per server: TTFT p50/p95 (first streamed token), output tokens per second, and the
 cached prompt tokens the server reports in ``usage.prompt_tokens_details.cached_tokens``.
+
+Follow-up turns carry the server's own replies, as a chat client's do. The model generates its own tokens, not
+the trace's reply, so a next turn built from the trace alone would contain a reply the server never produced,
+and no cache could reuse the state after the last decoded token. When turn ``k+1``'s input is turn ``k``'s
+input and reply plus a new message (the multi-turn traces' shape), it is sent as the prompt actually sent for
+turn ``k``, the tokens the server generated (``return_token_ids``, vLLM), and the new message. A server that
+returns no token ids, or a turn of another shape, gets the trace's tokens (counted as ``trace_prompts``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class ServerResult:
     url: str
     requests: int = 0
     failed: int = 0
+    follow_ups: int = 0
+    trace_prompts: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
@@ -51,18 +60,26 @@ class ServerResult:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float
-                       ) -> tuple[float, int, int, int]:
-    """(TTFT seconds, prompt tokens, cached prompt tokens, output tokens) of one streamed completion."""
+@dataclass(slots=True)
+class _Completion:
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    generated: list[int] | None  # None: the server sent no token ids
+
+
+def _stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> _Completion:
     body = json.dumps({
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
     }).encode()
     request = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     ttft = None
     usage: dict = {}
+    generated: list[int] | None = None
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         for raw in response:
             line = raw.decode().strip()
@@ -72,14 +89,27 @@ def _stream_completion(url: str, model: str, prompt: list[int], max_tokens: int,
             if payload == "[DONE]":
                 break
             chunk = json.loads(payload)
-            if ttft is None and any(choice.get("text") for choice in chunk.get("choices", [])):
+            choices = chunk.get("choices") or []
+            if ttft is None and any(choice.get("text") or choice.get("token_ids") for choice in choices):
                 ttft = time.perf_counter() - start
+            for choice in choices:
+                if choice.get("token_ids"):
+                    generated = (generated or []) + list(choice["token_ids"])
             usage = chunk.get("usage") or usage
     if not usage:
         raise ValueError("the server sent no usage (does it support stream_options.include_usage?)")
     details = usage.get("prompt_tokens_details") or {}
-    return (ttft if ttft is not None else time.perf_counter() - start, usage.get("prompt_tokens", 0),
-            details.get("cached_tokens") or 0, usage.get("completion_tokens", 0))
+    return _Completion(ttft if ttft is not None else time.perf_counter() - start, usage.get("prompt_tokens", 0),
+                       details.get("cached_tokens") or 0, usage.get("completion_tokens", 0), generated)
+
+
+def _follow_up_prompt(previous: Request, sent: list[int], generated: list[int] | None, turn: Request,
+                      new_message: list[int]) -> list[int] | None:
+    """The prompt a chat client sends for ``turn`` after ``previous``, or None when the trace's must do."""
+    history = len(previous.input_tokens) + len(previous.output_tokens)
+    if generated is None or tuple(turn.input_tokens[:history]) != (*previous.input_tokens, *previous.output_tokens):
+        return None
+    return sent + generated + new_message[history:]
 
 
 def replay_against(name: str, url: str, model: str, requests: Sequence[Request], *, concurrency: int,
@@ -96,17 +126,19 @@ def replay_against(name: str, url: str, model: str, requests: Sequence[Request],
     deadline = started + time_limit_s
 
     def run_session(turns: list[Request]) -> None:
+        previous: tuple[Request, list[int], list[int] | None] | None = None
         for turn in turns:
             wait = started + turn.ts / time_scale - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
             if time.perf_counter() >= deadline:
                 return
-            prompt = [t % vocab_size for t in turn.input_tokens] if vocab_size else list(turn.input_tokens)
+            trace_prompt = [t % vocab_size for t in turn.input_tokens] if vocab_size else list(turn.input_tokens)
+            prompt = _follow_up_prompt(*previous, turn, trace_prompt) if previous else None
             with slots:
                 try:
-                    ttft, prompt_tokens, cached, output = _stream_completion(
-                        url, model, prompt, max(1, len(turn.output_tokens)), timeout_s)
+                    completion = _stream_completion(
+                        url, model, prompt or trace_prompt, max(1, len(turn.output_tokens)), timeout_s)
                 except (OSError, ValueError, urllib.error.URLError) as error:
                     with lock:
                         result.failed += 1
@@ -114,10 +146,13 @@ def replay_against(name: str, url: str, model: str, requests: Sequence[Request],
                     return
             with lock:
                 result.requests += 1
-                result.ttft_s.append(ttft)
-                result.prompt_tokens += prompt_tokens
-                result.cached_prompt_tokens += cached
-                result.output_tokens += output
+                result.follow_ups += previous is not None and prompt is not None
+                result.trace_prompts += previous is not None and prompt is None
+                result.ttft_s.append(completion.ttft_s)
+                result.prompt_tokens += completion.prompt_tokens
+                result.cached_prompt_tokens += completion.cached_tokens
+                result.output_tokens += completion.output_tokens
+            previous = (turn, prompt or trace_prompt, completion.generated)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(sessions), 4 * concurrency))) as pool:
         list(pool.map(run_session, sessions.values()))
@@ -135,6 +170,7 @@ def format_side_by_side(results: Sequence[ServerResult]) -> str:
         ("output tok/s", lambda r: f"{r.throughput_tok_s:.1f}"),
         ("prompt tokens", lambda r: f"{r.prompt_tokens:,}"),
         ("cached prompt tokens", lambda r: f"{r.cached_prompt_tokens:,} ({100 * r.cached_fraction:.1f}%)"),
+        ("follow-ups with replies", lambda r: f"{r.follow_ups} of {r.follow_ups + r.trace_prompts}"),
     ]
     width = max(24, *(len(r.url) + 2 for r in results))
     lines = []

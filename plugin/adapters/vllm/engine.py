@@ -21,7 +21,8 @@ from hybrid_prefix_cache.adapters.vllm.block_index import BlockCosts
 from hybrid_prefix_cache.adapters.vllm.settings import BackendSettings, settings_for
 from hybrid_prefix_cache.cost_model import model_spec_from_hf_config
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger: vLLM configures handlers for "vllm" only, so a logger of our own would drop INFO.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 # What the scheduler attribute names, for tests and introspection: the backend running in this scheduler.
 SCHEDULER_ATTRIBUTE = "hybrid_prefix_cache_backend"

@@ -41,7 +41,8 @@ from hybrid_prefix_cache.adapters.vllm.block_index import (
 )
 from hybrid_prefix_cache.policies.tuning import AlphaTuner
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger: vLLM configures handlers for "vllm" only, so a logger of our own would drop INFO.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 _NEVER = 1 << 62
 
