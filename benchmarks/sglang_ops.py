@@ -32,7 +32,7 @@ import torch
 
 from hybrid_prefix_cache.bench.engines.sglang_replay import (
     GIB,
-    UpstreamCache,
+    ReplayCache,
     build_upstream_cache,
     check_sglang_version,
     pool_sizes,
@@ -116,7 +116,7 @@ class MethodTimer:
         return sum(self.seconds.values())
 
 
-def build_caches(sizes: Any, context_len: int) -> dict[str, UpstreamCache]:
+def build_caches(sizes: Any, context_len: int) -> dict[str, ReplayCache]:
     """Upstream's cache and ours, each over its own freshly built pools of the same geometry."""
     from hybrid_prefix_cache.adapters.sglang.cache import HybridPrefixCache
     from hybrid_prefix_cache.registry import resolve_backend
@@ -132,7 +132,7 @@ def build_caches(sizes: Any, context_len: int) -> dict[str, UpstreamCache]:
     )
     return {
         "upstream": upstream,
-        "ours": UpstreamCache(tree=ours, req_to_token_pool=pools.req_to_token_pool, kv_allocator=pools.kv_allocator,
+        "ours": ReplayCache(tree=ours, req_to_token_pool=pools.req_to_token_pool, kv_allocator=pools.kv_allocator,
                               sizes=sizes),
     }
 

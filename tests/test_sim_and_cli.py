@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,36 @@ def test_baselines_keep_their_engines_memory_and_ours_follow_layout(tmp_path, la
     assert code == 0
     layouts = {record["backend"]: record["memory_layout"] for record in json.loads(out.read_text())}
     assert layouts == {"vllm-align": "vllm", "upstream-mamba": "split", "marconi/lru": layout or "vllm"}
+
+
+def test_engine_vllm_runs_vllms_cache_as_vllm_align_beside_our_backends(tmp_path, monkeypatch):
+    """The runner's side of --engine vllm: the command it builds and how the replay's runs become records (the
+    replay itself runs in integration_tests/vllm)."""
+    from hybrid_prefix_cache.bench import runner
+
+    commands = []
+
+    def fake_replay(command, check):
+        commands.append(command)
+        out = command[command.index("--json") + 1]
+        lines = Path(command[command.index("--trace-jsonl") + 1]).read_text(encoding="utf-8").splitlines()
+        trace = [json.loads(line) for line in lines if line.strip()]
+        runs = [{"backend": name, "cache_bytes": 1 << 30, "token_hit_rate": hit, "request_hit_rate": hit,
+                 "prompt_tokens": sum(len(row["input_tokens"]) for row in trace), "cached_tokens": 10,
+                 "per_request": [{"session_id": row["session_id"], "turn_id": row["turn_id"],
+                                  "cached_tokens": 10 if index == 0 else 0} for index, row in enumerate(trace)]}
+                for name, hit in (("vllm", 0.25), ("marconi", 0.5))]
+        with open(out, "w", encoding="utf-8") as handle:
+            json.dump({"runs": runs}, handle)
+
+    monkeypatch.setenv("HPC_VLLM_PYTHON", "python-of-the-vllm-env")
+    monkeypatch.setattr(runner.subprocess, "run", fake_replay)
+    report = runner.run_bench(runner.BenchOptions(engine="vllm", backends=["vllm-align", "marconi"], cache_gb=[1.0],
+                                                  progress=False))
+    command = commands[0]
+    assert command[:3] == ["python-of-the-vllm-env", "-m", "hybrid_prefix_cache.bench.engines.vllm_backend_replay"]
+    assert command[command.index("--backends") + 1] == "vllm,marconi"
+    assert [(r["backend"], r["token_hit_rate"]) for r in report.records] == [("vllm-align", 0.25), ("marconi", 0.5)]
+    assert all(r["prefill_tokens_computed"] == r["engine_run"]["prompt_tokens"] - 10 for r in report.records)
+    with pytest.raises(ValueError, match="upstream-mamba"):
+        runner.run_bench(runner.BenchOptions(engine="vllm", backends=["upstream-mamba"], progress=False))

@@ -246,3 +246,55 @@ def test_command_line_writes_the_report(tmp_path, make_conversation):
     assert all("per_request" not in run for run in report["runs"])
     assert report["runs"][0]["max_mamba_cache_size"] == 18
     assert all(run["requests"] == 5 for run in report["runs"])
+
+
+@pytest.mark.parametrize("backend", ["mamba-radix", "marconi/lru", "marconi"])
+def test_our_backends_replay_over_the_same_pools_and_leak_nothing(make_conversation, backend):
+    from hybrid_prefix_cache.cost_model import load_model_spec
+
+    trace = []
+    for session in range(12):
+        trace += make_conversation(f"s{session}", 4, seed=10 + session, start_ts=session * 0.5)
+    budget = 40 * SMALL_STATE_BYTES
+    upstream = replay(trace, SMALL_KV_BYTES_PER_TOKEN, SMALL_STATE_BYTES, budget)
+    ours = replay(trace, SMALL_KV_BYTES_PER_TOKEN, SMALL_STATE_BYTES, budget, backend=backend,
+                  model_spec=load_model_spec("paper-7b"))
+    assert (ours["backend"], ours["cache_impl"]) == (backend, "HybridPrefixCache")
+    assert upstream["backend"] == "upstream-mamba"
+    assert ours["max_mamba_cache_size"] == upstream["max_mamba_cache_size"]  # the same pools
+    assert ours["leaked_kv_tokens"] == ours["leaked_state_slots"] == 0
+    assert ours["states_evicted"] > 0
+    if backend.startswith("marconi"):
+        # Marconi admission keeps the state after the reply, which the next turn extends: more hits than
+        # upstream's end-of-input states under the same state pressure.
+        assert ours["cached_tokens"] > upstream["cached_tokens"]
+
+
+def test_a_backend_needs_its_cost_model_and_unknown_names_are_refused(make_conversation, tmp_path):
+    trace = make_conversation("a", 2, seed=4)
+    with pytest.raises(ValueError, match="model_spec"):
+        replay(trace, SMALL_KV_BYTES_PER_TOKEN, SMALL_STATE_BYTES, 1 << 20, backend="marconi")
+    from hybrid_prefix_cache.bench.traces import export_trace
+
+    trace_path = tmp_path / "trace.jsonl"
+    export_trace(trace, trace_path)
+    completed = subprocess.run(
+        [sys.executable, "-m", "hybrid_prefix_cache.bench.engines.sglang_replay", "--trace-jsonl", str(trace_path),
+         "--kv-bytes-per-token", "65536", "--state-bytes", str(PAPER_7B_STATE_BYTES), "--cache-gb", "1",
+         "--backends", "upstream-mamba,nope"],
+        capture_output=True, text=True, check=False,
+    )
+    assert completed.returncode == 2 and "nope" in completed.stderr
+
+
+def test_bench_engine_sglang_runs_upstream_and_ours(tmp_path, monkeypatch):
+    from hybrid_prefix_cache.cli import main
+
+    out = tmp_path / "out.json"
+    monkeypatch.setenv("HPC_SGLANG_PYTHON", sys.executable)
+    code = main(["bench", "--engine", "sglang", "--backends", "upstream-mamba,marconi", "--cache-gb", "1",
+                 "--no-progress", "--json", str(out)])
+    assert code == 0
+    records = {record["backend"]: record for record in json.loads(out.read_text())}
+    assert set(records) == {"upstream-mamba", "marconi"}
+    assert records["marconi"]["token_hit_rate"] > records["upstream-mamba"]["token_hit_rate"]

@@ -147,21 +147,24 @@ def engine_python(engine: str) -> str:
     return str(candidate)
 
 
-# What each engine replay runs for a backend name: the engine's own default cache (the only one each replay
-# drives today) under the name of the simulator baseline that models it.
+# The engine's own default cache in each engine replay, under the name of the simulator baseline that models
+# it; our backends keep their names. The vLLM replay calls vLLM's own cache "vllm".
 ENGINE_DEFAULT_BACKEND = {"sglang": "upstream-mamba", "vllm": "vllm-align"}
+_VLLM_REPLAY_DEFAULT = "vllm"
 
 
 def _engine_command(options: BenchOptions, spec: ModelSpec, trace_path: str, out_path: str) -> list[str]:
     python = engine_python(options.engine)
     sizes = ",".join(f"{gb:g}" for gb in options.cache_gb)
     common = ["--trace-jsonl", trace_path, "--cache-gb", sizes, "--json", out_path, "--per-request"]
-    module = f"hybrid_prefix_cache.bench.engines.{options.engine}_replay"
     if options.engine == "sglang":
-        return [python, "-m", module, *common, "--kv-bytes-per-token", str(spec.kv_bytes_per_token),
-                "--state-bytes", str(spec.state_bytes), "--page-size", "1"]
+        return [python, "-m", "hybrid_prefix_cache.bench.engines.sglang_replay", *common,
+                "--kv-bytes-per-token", str(spec.kv_bytes_per_token), "--state-bytes", str(spec.state_bytes),
+                "--page-size", "1", "--backends", ",".join(options.backends), "--model", options.model]
+    backends = [_VLLM_REPLAY_DEFAULT if name == ENGINE_DEFAULT_BACKEND["vllm"] else name for name in options.backends]
     config = engine_model_config(options.model)
-    return [python, "-m", module, *common, "--model-config", config, "--mamba-ssm-cache-dtype", "float16"]
+    return [python, "-m", "hybrid_prefix_cache.bench.engines.vllm_backend_replay", *common, "--model-config", config,
+            "--mamba-ssm-cache-dtype", "float16", "--backends", ",".join(backends)]
 
 
 def engine_model_config(model: str) -> str:
@@ -176,12 +179,13 @@ def engine_model_config(model: str) -> str:
 
 
 def _engine_records(options: BenchOptions, spec: ModelSpec, requests: list[Request]) -> list[dict]:
-    """Runs the engine's own cache code model-free in its environment, one process for all sizes."""
+    """Runs the engine's real cache code model-free in its environment, one process for all sizes and backends:
+    the engine's own default (under its baseline's name) and our backends plugged in."""
     default = ENGINE_DEFAULT_BACKEND[options.engine]
-    unsupported = [name for name in options.backends if name != default]
-    if unsupported:
-        raise ValueError(f"--engine {options.engine} replays the engine's own cache ({default}) only; "
-                         f"not available there: {', '.join(unsupported)}")
+    other_baselines = [name for name in options.backends if name in BASELINES and name != default]
+    if other_baselines:
+        raise ValueError(f"--engine {options.engine} runs its own cache as {default} and our backends; "
+                         f"not available there: {', '.join(other_baselines)} (a baseline of the other engine)")
     by_turn = {(r.session_id, r.turn_id): r for r in requests}
     settings = SimSettings()
     with tempfile.TemporaryDirectory(prefix="hpc-bench-") as workdir:
@@ -197,10 +201,11 @@ def _engine_records(options: BenchOptions, spec: ModelSpec, requests: list[Reque
                  row.get("hit_tokens", row.get("cached_tokens"))) for row in run["per_request"]]
         ttfts = trace_order_ttfts(hits, spec, settings)
         result = SimResult(requests=len(hits), input_tokens=run["prompt_tokens"], reused_tokens=run["cached_tokens"],
-                           prefill_tokens_computed=run["computed_prompt_tokens"], ttft_s=ttfts,
+                           prefill_tokens_computed=run["prompt_tokens"] - run["cached_tokens"], ttft_s=ttfts,
                            flops_saved=sum(spec.flops_saved(hit) for _, hit in hits))
+        backend = run.get("backend") or default
         records.append({
-            "backend": default,
+            "backend": default if backend in (_VLLM_REPLAY_DEFAULT, default) else backend,
             "cache_gb": run["cache_bytes"] / GB,
             "token_hit_rate": run["token_hit_rate"],
             "state_hit_rate": None,

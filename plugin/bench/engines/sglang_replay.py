@@ -1,4 +1,5 @@
-"""Model-free replay of a request trace through SGLang 0.5.20's real ``MambaRadixCache`` (``--engine sglang``).
+"""Model-free replay of a request trace through SGLang 0.5.20's real ``MambaRadixCache`` (``--engine sglang``),
+or through one of our backends (``HybridPrefixCache`` over the same pools, as SGLang's factory builds it).
 
 What is real: ``sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache`` (match, split, insert, lock, LRU
 and eviction), its pools built on device ``cpu`` (``HybridReqToTokenPool`` with its ``MambaPool`` and
@@ -81,14 +82,15 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_prefix_cache.bench.engines import parse_budgets
 from hybrid_prefix_cache.bench.traces import Request
+from hybrid_prefix_cache.cost_model import ModelSpec
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 SUPPORTED_SGLANG_VERSION = "0.5.20"
 GIB = 1 << 30
+UPSTREAM = "upstream-mamba"  # the --backends name of SGLang's own MambaRadixCache
 # FLA's chunk size, the value 0.5.20 uses when the model config has no mamba_chunk_size
 # (arg_groups/overrides.py mamba_cache_chunk_size); only the branching point of a match depends on it.
 DEFAULT_MAMBA_CHUNK_SIZE = 64
@@ -219,10 +221,11 @@ def upstream_state_slots_per_running_request() -> int:
 
 
 @dataclass(slots=True)
-class UpstreamCache:
-    """The real cache and pools of one replay; ``tree`` counts the states it admits."""
+class ReplayCache:
+    """The real cache and pools of one replay: upstream's ``MambaRadixCache`` (counting the states it admits)
+    or our ``HybridPrefixCache``."""
 
-    tree: MambaRadixCache
+    tree: Any
     req_to_token_pool: HybridReqToTokenPool
     kv_allocator: TokenToKVPoolAllocator
     sizes: PoolSizes
@@ -287,9 +290,33 @@ def _tallying_tree_class() -> type:
     return TallyingMambaRadixCache
 
 
-def build_upstream_cache(sizes: PoolSizes, max_context_len: int) -> UpstreamCache:
+def build_upstream_cache(sizes: PoolSizes, max_context_len: int) -> ReplayCache:
     """Builds upstream's pools (device cpu, one request row, one-element states) and a MambaRadixCache.
     A published SGLang runtime context must be installed (see :func:`sglang_runtime_context`)."""
+    params = _build_pools(sizes, max_context_len)
+    return ReplayCache(tree=_tallying_tree_class()(params), req_to_token_pool=params.req_to_token_pool,
+                       kv_allocator=params.token_to_kv_pool_allocator, sizes=sizes)
+
+
+def build_backend_cache(sizes: PoolSizes, max_context_len: int, backend_name: str, spec: ModelSpec) -> ReplayCache:
+    """Our backend over fresh pools of the same geometry, with the policies SGLang's factory would give it
+    (``adapters.sglang.factory``: FLOP-aware eviction and its tuner from ``spec``, default settings)."""
+    from hybrid_prefix_cache.adapters.sglang.cache import HybridPrefixCache
+    from hybrid_prefix_cache.adapters.sglang.settings import PrefixCacheSettings
+    from hybrid_prefix_cache.core import LRUEviction
+    from hybrid_prefix_cache.registry import resolve_backend
+
+    backend = resolve_backend(backend_name)
+    settings = PrefixCacheSettings()
+    eviction = LRUEviction() if backend.eviction == "lru" else backend.make_eviction(spec, settings.alpha)
+    params = _build_pools(sizes, max_context_len)
+    tree = HybridPrefixCache(params, backend=backend, eviction=eviction, settings=settings, model_spec=spec)
+    return ReplayCache(tree=tree, req_to_token_pool=params.req_to_token_pool,
+                       kv_allocator=params.token_to_kv_pool_allocator, sizes=sizes)
+
+
+def _build_pools(sizes: PoolSizes, max_context_len: int) -> Any:
+    """SGLang's pools for one replay, as the ``CacheInitParams`` a tree cache is built from."""
     import torch
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -322,15 +349,12 @@ def build_upstream_cache(sizes: PoolSizes, max_context_len: int) -> UpstreamCach
     kv_allocator = TokenToKVPoolAllocator(
         sizes.max_total_num_tokens, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False
     )
-    tree = _tallying_tree_class()(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=kv_allocator,
-            page_size=sizes.page_size,
-        )
+    return CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=kv_allocator,
+        page_size=sizes.page_size,
     )
-    return UpstreamCache(tree=tree, req_to_token_pool=req_to_token_pool, kv_allocator=kv_allocator, sizes=sizes)
 
 
 @contextmanager
@@ -395,7 +419,7 @@ _SCHEDULER_MODULES = (
 )
 
 
-def run_request(cache: UpstreamCache, request: TraceRequest, rid: str) -> int:
+def run_request(cache: ReplayCache, request: TraceRequest, rid: str) -> int:
     """Runs one request through the scheduler's cache calls (see the module docstring); returns its hit."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
@@ -445,9 +469,13 @@ def replay(
     page_size: int = 1,
     mamba_chunk_size: int = DEFAULT_MAMBA_CHUNK_SIZE,
     check_every_request: bool = True,
+    backend: str | None = None,
+    model_spec: ModelSpec | None = None,
 ) -> dict[str, Any]:
     """Replays ``requests`` (in ``ts`` order, one at a time) through SGLang 0.5.20's MambaRadixCache with
-    ``cache_bytes`` shared by KV tokens of ``kv_bytes_per_token`` and states of ``state_bytes``.
+    ``cache_bytes`` shared by KV tokens of ``kv_bytes_per_token`` and states of ``state_bytes``; with
+    ``backend`` (a registered name or ``ADMISSION/EVICTION`` pair, and the ``model_spec`` of its FLOP model)
+    through our cache instead, over the same pools.
 
     ``mamba_full_memory_ratio`` defaults to SGLang's own fallback (0.9). Returns hit rates, the pool
     geometry, state churn and per-request hits; the tree is evicted at the end and every KV token and state
@@ -455,6 +483,8 @@ def replay(
     ``check_every_request`` also checks the scheduler's idle invariants after each request.
     """
     _check_inputs(requests, kv_bytes_per_token, state_bytes, cache_bytes)
+    if backend is not None and model_spec is None:
+        raise ValueError(f"backend {backend!r} needs the model_spec of its cost model")
     version = check_sglang_version()
     ratio = upstream_mamba_full_memory_ratio() if mamba_full_memory_ratio is None else mamba_full_memory_ratio
     ordered = sorted(requests, key=lambda request: request.ts)
@@ -478,14 +508,17 @@ def replay(
     tally = _Tally()
     per_request: list[dict[str, Any]] = []
     with sglang_runtime_context(page_size=page_size, mamba_chunk_size=mamba_chunk_size):
-        cache = build_upstream_cache(sizes, context_len)
+        if backend is None:
+            cache = build_upstream_cache(sizes, context_len)
+        else:
+            cache = build_backend_cache(sizes, context_len, backend, model_spec)
         for index, request in enumerate(ordered):
             op_started = time.perf_counter()
             try:
                 hit = run_request(cache, request, rid=f"{index}:{request.session_id}:{request.turn_id}")
             except Exception as error:
                 raise RuntimeError(
-                    f"upstream cache failed on request {index} ({request.session_id}/{request.turn_id})"
+                    f"{backend or 'upstream'} cache failed on request {index} ({request.session_id}/{request.turn_id})"
                 ) from error
             tally.cache_op_seconds += time.perf_counter() - op_started
             if check_every_request:
@@ -505,7 +538,8 @@ def replay(
         tree = cache.tree
         states_resident = tree.mamba_evictable_size() + tree.mamba_protected_size()
         kv_tokens_resident = tree.full_evictable_size() + tree.full_protected_size()
-        states_admitted = tree.states_admitted
+        # Upstream counts its admissions; ours counts evictions, and admitted = evicted + still resident.
+        states_admitted = tree.states_admitted if backend is None else states_resident + tree.tree.stats.states_evicted
         leaked_tokens, leaked_states = cache.release_everything()
     if leaked_tokens or leaked_states:
         raise RuntimeError(
@@ -514,7 +548,8 @@ def replay(
     return {
         "engine": "sglang",
         "sglang_version": version,
-        "cache_impl": "MambaRadixCache",
+        "backend": backend or "upstream-mamba",
+        "cache_impl": "MambaRadixCache" if backend is None else "HybridPrefixCache",
         "mamba_radix_cache_strategy": "no_buffer",
         **asdict(sizes),
         "context_len": context_len,
@@ -559,7 +594,8 @@ def _positive_float(text: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hybrid_prefix_cache.bench.engines.sglang_replay",
-        description="Replay a JSONL trace through SGLang 0.5.20's real MambaRadixCache and pools (no model).",
+        description="Replay a JSONL trace through SGLang 0.5.20's real MambaRadixCache and pools, or through "
+        "hybrid-prefix-cache backends over the same pools (no model).",
     )
     parser.add_argument("--trace-jsonl", type=Path, required=True, help="trace (see bench/traces.py)")
     parser.add_argument("--kv-bytes-per-token", type=_positive_int, required=True, help="KV bytes of one token")
@@ -574,41 +610,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--mamba-chunk-size", type=_positive_int, default=DEFAULT_MAMBA_CHUNK_SIZE, help="model mamba chunk size"
     )
+    parser.add_argument("--backends", default=UPSTREAM,
+                        help=f"comma-separated: {UPSTREAM} (SGLang's MambaRadixCache) and/or our backends "
+                             f"(default: {UPSTREAM})")
+    parser.add_argument("--model", default="paper-7b",
+                        help="bundled model name or config.json for the FLOP model of our backends (default paper-7b)")
     parser.add_argument("--json", type=Path, help="write all results to this file")
     parser.add_argument("--per-request", action="store_true", help="keep per-request hits in the JSON output")
     args = parser.parse_args(argv)
 
     from hybrid_prefix_cache.bench.traces import read_jsonl_trace
+    from hybrid_prefix_cache.cost_model import load_model_spec
+    from hybrid_prefix_cache.registry import resolve_backend
 
     try:
         requests = read_jsonl_trace(args.trace_jsonl)
-    except (OSError, ValueError) as error:
+        backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+        for name in backends:
+            if name != UPSTREAM:
+                resolve_backend(name)
+        spec = load_model_spec(args.model) if any(name != UPSTREAM for name in backends) else None
+    except (OSError, ValueError, KeyError) as error:
         parser.error(str(error))
     runs = []
-    header = ("cache GiB", "states", "KV tokens", "token hit", "req hit", "st evict", "us/req")
-    print(" ".join(f"{name:>9}" for name in header))
+    header = ("cache GiB", "backend", "states", "KV tokens", "token hit", "req hit", "st evict", "us/req")
+    print(f"{header[0]:>9} {header[1]:>16} " + " ".join(f"{name:>9}" for name in header[2:]))
     for cache_bytes in args.cache_gb:
-        try:
-            result = replay(
-                requests,
-                args.kv_bytes_per_token,
-                args.state_bytes,
-                cache_bytes,
-                mamba_full_memory_ratio=args.mamba_full_memory_ratio,
-                page_size=args.page_size,
-                mamba_chunk_size=args.mamba_chunk_size,
+        for name in backends:
+            try:
+                result = replay(
+                    requests,
+                    args.kv_bytes_per_token,
+                    args.state_bytes,
+                    cache_bytes,
+                    mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+                    page_size=args.page_size,
+                    mamba_chunk_size=args.mamba_chunk_size,
+                    backend=None if name == UPSTREAM else name,
+                    model_spec=spec,
+                )
+            except ValueError as error:
+                print(f"sglang_replay: {cache_bytes / GIB:g} GiB, {name}: {error}", file=sys.stderr)
+                return 2
+            if not args.per_request:
+                del result["per_request"]
+            runs.append(result)
+            print(
+                f"{cache_bytes / GIB:9.2f} {name:>16} {result['max_mamba_cache_size']:9d} "
+                f"{result['max_total_num_tokens']:9d} {result['token_hit_rate']:9.4f} "
+                f"{result['request_hit_rate']:9.3f} {result['states_evicted']:9d} "
+                f"{result['cache_op_us_per_request']:9.0f}"
             )
-        except ValueError as error:
-            print(f"sglang_replay: {cache_bytes / GIB:g} GiB: {error}", file=sys.stderr)
-            return 2
-        if not args.per_request:
-            del result["per_request"]
-        runs.append(result)
-        print(
-            f"{cache_bytes / GIB:9.2f} {result['max_mamba_cache_size']:9d} {result['max_total_num_tokens']:9d} "
-            f"{result['token_hit_rate']:9.4f} {result['request_hit_rate']:9.3f} {result['states_evicted']:9d} "
-            f"{result['cache_op_us_per_request']:9.0f}"
-        )
     if args.json:
         report = {
             "trace": str(args.trace_jsonl),
