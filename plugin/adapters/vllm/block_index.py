@@ -339,7 +339,7 @@ class BlockCacheIndex:
         """Recompute the node relations' counts and every block's class from scratch and compare; O(n), for
         tests."""
         for key, position in self._positions.items():
-            complete = len(position.states) == len(self.state_groups) and len(position.fa) == len(self.fa_groups)
+            complete = self._is_complete(position)
             assert position.complete == complete, f"{key!r}: complete flag {position.complete}, expected {complete}"
         for key, parent_key in self._node_parent.items():
             assert key in self._positions, f"{key!r}: node parent kept after its blocks are gone"
@@ -371,8 +371,11 @@ class BlockCacheIndex:
             children.add(key)
             self._refresh(parent_key)
 
+    def _is_complete(self, position: _Position) -> bool:
+        return len(position.states) == len(self.state_groups) and len(position.fa) == len(self.fa_groups)
+
     def _update_complete(self, key: Hashable, position: _Position) -> None:
-        complete = len(position.states) == len(self.state_groups) and len(position.fa) == len(self.fa_groups)
+        complete = self._is_complete(position)
         if complete != position.complete:
             position.complete = complete
             parent_key = self._node_parent.get(key)
